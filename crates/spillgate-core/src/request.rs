@@ -1,0 +1,501 @@
+//! The shapes clients speak and the shapes backends take.
+//!
+//! Clients use the official SDKs unchanged, so a request arrives in one of three shapes:
+//! Azure classic (`/openai/deployments/{d}/{op}?api-version=`), Azure v1 (`/openai/v1/{op}`,
+//! model in the body) or OpenAI (`/v1/{op}`, model in the body). Any of them may be served
+//! by either kind of backend, so this module finds the model a request asks for and builds
+//! the path, query and body the chosen backend expects. Only names from the config and
+//! operation paths checked segment by segment reach the upstream URL: nothing from the
+//! client can pick where a request goes.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::config::{is_safe_name, BackendKind};
+
+/// The shape of a client request, from its path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientShape {
+    /// `/openai/deployments/{deployment}/{operation}`: the model is the deployment name.
+    AzureDeployment,
+    /// `/openai/v1/{operation}`: the model is in the body.
+    AzureV1,
+    /// `/v1/{operation}`: the model is in the body.
+    OpenAi,
+}
+
+/// What a request path asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApiRoute<'a> {
+    /// An API operation to forward.
+    Operation {
+        shape: ClientShape,
+        /// The deployment named in an Azure classic path.
+        deployment: Option<&'a str>,
+        /// `chat/completions`, `embeddings`, ...: checked to be safe path segments.
+        operation: &'a str,
+    },
+    /// `GET /v1/models` and its Azure spellings, answered from config.
+    ListModels,
+    /// A path under an API prefix that is malformed (unsafe segment, empty operation).
+    Invalid(&'static str),
+    /// Not an API path.
+    NotFound,
+}
+
+/// Operation paths are relative paths of safe segments (`chat/completions`,
+/// `audio/transcriptions`); `..`, empty segments and odd characters are refused so the
+/// upstream path cannot be steered.
+fn is_safe_operation(op: &str) -> bool {
+    !op.is_empty() && op.len() <= 256 && op.split('/').all(is_safe_name)
+}
+
+/// Classifies a request path (without the query string).
+pub fn classify_path<'a>(method: &str, path: &'a str) -> ApiRoute<'a> {
+    let is_get = method.eq_ignore_ascii_case("GET");
+    if is_get && matches!(path, "/v1/models" | "/openai/v1/models" | "/openai/models") {
+        return ApiRoute::ListModels;
+    }
+    if let Some(rest) = path.strip_prefix("/openai/deployments/") {
+        let Some((deployment, operation)) = rest.split_once('/') else {
+            return ApiRoute::Invalid("the path needs an operation after the deployment name");
+        };
+        if !is_safe_name(deployment) {
+            return ApiRoute::Invalid(
+                "the deployment name may contain only letters, digits, '-', '_', '.' and ':'",
+            );
+        }
+        if !is_safe_operation(operation) {
+            return ApiRoute::Invalid("the operation path is not valid");
+        }
+        return ApiRoute::Operation {
+            shape: ClientShape::AzureDeployment,
+            deployment: Some(deployment),
+            operation,
+        };
+    }
+    for (prefix, shape) in [
+        ("/openai/v1/", ClientShape::AzureV1),
+        ("/v1/", ClientShape::OpenAi),
+    ] {
+        if let Some(operation) = path.strip_prefix(prefix) {
+            if !is_safe_operation(operation) {
+                return ApiRoute::Invalid("the operation path is not valid");
+            }
+            return ApiRoute::Operation {
+                shape,
+                deployment: None,
+                operation,
+            };
+        }
+    }
+    ApiRoute::NotFound
+}
+
+/// The parts of a JSON request body the gateway needs, read without building a tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BodyInfo {
+    /// The `model` string, unescaped.
+    pub model: Option<String>,
+    /// Byte range of the `model` value (quotes included) in the body, for splicing.
+    pub model_span: Option<(usize, usize)>,
+    /// Whether the body is a JSON object at all (only then can `model` be added).
+    pub is_object: bool,
+}
+
+#[derive(Deserialize)]
+struct Probe<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+}
+
+/// Why a body could not be read for its model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BodyError {
+    #[error("the request body is not valid JSON: {0}")]
+    InvalidJson(String),
+    #[error("`model` must be a string")]
+    ModelNotString,
+}
+
+/// Reads `model` from a JSON body. A body that is not a JSON object yields `is_object:
+/// false` and no model (e.g. multipart uploads); a JSON object that fails to parse is an
+/// error the client should see.
+pub fn inspect_body(body: &[u8]) -> Result<BodyInfo, BodyError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        return Ok(BodyInfo {
+            model: None,
+            model_span: None,
+            is_object: false,
+        });
+    }
+    let probe: Probe<'_> =
+        serde_json::from_slice(body).map_err(|e| BodyError::InvalidJson(e.to_string()))?;
+    let Some(raw) = probe.model else {
+        return Ok(BodyInfo {
+            model: None,
+            model_span: None,
+            is_object: true,
+        });
+    };
+    let text = raw.get();
+    let model: Cow<'_, str> = serde_json::from_str(text).map_err(|_| BodyError::ModelNotString)?;
+    // The raw value borrows from `body`; its offset is the distance between the two
+    // pointers, computed on addresses without any unsafe code.
+    let start = (text.as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
+    let span = (start + text.len() <= body.len()).then_some((start, start + text.len()));
+    Ok(BodyInfo {
+        model: Some(model.into_owned()),
+        model_span: span,
+        is_object: true,
+    })
+}
+
+/// Returns `body` with its `model` set to `name`: the existing value replaced in place, or
+/// a `"model"` member added first when there was none. Every other byte is kept as sent.
+pub fn set_model(body: &[u8], info: &BodyInfo, name: &str) -> Option<Vec<u8>> {
+    let quoted = serde_json::to_string(name).ok()?;
+    if let Some((s, e)) = info.model_span {
+        let mut out = Vec::with_capacity(body.len() + quoted.len());
+        out.extend_from_slice(&body[..s]);
+        out.extend_from_slice(quoted.as_bytes());
+        out.extend_from_slice(&body[e..]);
+        return Some(out);
+    }
+    if !info.is_object {
+        return None;
+    }
+    let open = body.iter().position(|b| *b == b'{')?;
+    let rest = &body[open + 1..];
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    let mut out = Vec::with_capacity(body.len() + quoted.len() + 10);
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(b"\"model\":");
+    out.extend_from_slice(quoted.as_bytes());
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    Some(out)
+}
+
+/// Where and how to send a request to one backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamTarget {
+    /// Path and query, appended to the backend's base URL.
+    pub path_and_query: String,
+    /// `Some(name)` when the body's `model` must be set to `name` for this backend.
+    pub body_model: Option<String>,
+}
+
+/// Query parameters the gateway consumes itself and never forwards.
+fn forwardable_query(query: &str, keep_api_version: bool) -> String {
+    query
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .filter(|kv| {
+            let key = kv.split('=').next().unwrap_or("");
+            key != "priority" && (keep_api_version || key != "api-version")
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// The parts of a client request that decide its upstream form.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestParts<'a> {
+    pub shape: ClientShape,
+    pub operation: &'a str,
+    pub query: Option<&'a str>,
+    /// The model named in the body, if any.
+    pub body_model: Option<&'a str>,
+    pub body_is_object: bool,
+}
+
+/// Builds the upstream path for a request in `shape`, `operation`, `query`, sent to a
+/// backend of `kind` whose base URL path is `base_path` (e.g. `/v1`) and that knows the
+/// model as `deployment`. `body_model` is the model name the client put in the body, if
+/// any, so that an unchanged body is left untouched.
+pub fn upstream_target(
+    req: &RequestParts<'_>,
+    kind: BackendKind,
+    base_path: &str,
+    deployment: &str,
+) -> UpstreamTarget {
+    let RequestParts {
+        shape,
+        operation,
+        query,
+        body_model,
+        body_is_object,
+    } = *req;
+    let needs_model = |target_uses_body: bool| {
+        (target_uses_body && body_is_object && body_model != Some(deployment))
+            .then(|| deployment.to_string())
+    };
+    match (kind, shape) {
+        // Azure classic in, Azure classic out: the deployment in the path is all that
+        // changes; the body goes through byte for byte.
+        (BackendKind::Azure, ClientShape::AzureDeployment) => {
+            let q = forwardable_query(query.unwrap_or(""), true);
+            let mut p = format!("{base_path}/openai/deployments/{deployment}/{operation}");
+            if !q.is_empty() {
+                p.push('?');
+                p.push_str(&q);
+            }
+            // Azure classic reads the deployment from the path, but a body that names a
+            // different model is rewritten too, so the backend sees one consistent name.
+            let body_model = match body_model {
+                Some(m) if m != deployment => Some(deployment.to_string()),
+                _ => None,
+            };
+            UpstreamTarget {
+                path_and_query: p,
+                body_model,
+            }
+        }
+        // Body-model shapes to Azure: Azure's v1 API takes the deployment as `model`.
+        (BackendKind::Azure, ClientShape::AzureV1 | ClientShape::OpenAi) => {
+            let q = forwardable_query(query.unwrap_or(""), false);
+            let mut p = format!("{base_path}/openai/v1/{operation}");
+            if !q.is_empty() {
+                p.push('?');
+                p.push_str(&q);
+            }
+            UpstreamTarget {
+                path_and_query: p,
+                body_model: needs_model(true),
+            }
+        }
+        // Anything to an OpenAI-compatible server: `{base_url}/{operation}`, model in the
+        // body; Azure's api-version means nothing there.
+        (BackendKind::Openai, _) => {
+            let q = forwardable_query(query.unwrap_or(""), false);
+            let mut p = format!("{base_path}/{operation}");
+            if !q.is_empty() {
+                p.push('?');
+                p.push_str(&q);
+            }
+            UpstreamTarget {
+                path_and_query: p,
+                body_model: needs_model(true),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn classifies_every_shape() {
+        assert_eq!(
+            classify_path("POST", "/openai/deployments/gpt4o/chat/completions"),
+            ApiRoute::Operation {
+                shape: ClientShape::AzureDeployment,
+                deployment: Some("gpt4o"),
+                operation: "chat/completions"
+            }
+        );
+        assert_eq!(
+            classify_path("POST", "/openai/v1/responses"),
+            ApiRoute::Operation {
+                shape: ClientShape::AzureV1,
+                deployment: None,
+                operation: "responses"
+            }
+        );
+        assert_eq!(
+            classify_path("POST", "/v1/embeddings"),
+            ApiRoute::Operation {
+                shape: ClientShape::OpenAi,
+                deployment: None,
+                operation: "embeddings"
+            }
+        );
+        assert_eq!(classify_path("GET", "/v1/models"), ApiRoute::ListModels);
+        assert_eq!(classify_path("GET", "/openai/models"), ApiRoute::ListModels);
+        assert_eq!(classify_path("GET", "/"), ApiRoute::NotFound);
+        assert_eq!(classify_path("POST", "/admin"), ApiRoute::NotFound);
+    }
+
+    #[test]
+    fn path_traversal_is_refused() {
+        for p in [
+            "/openai/deployments/../x/chat/completions",
+            "/openai/deployments/gpt4o/../../admin",
+            "/openai/deployments/gpt4o/chat//completions",
+            "/v1/../admin",
+            "/v1/",
+            "/openai/deployments/gpt4o",
+            "/openai/deployments/a%2F..%2Fb/chat/completions",
+            "/v1/chat/completions@evil.example",
+        ] {
+            assert!(
+                matches!(classify_path("POST", p), ApiRoute::Invalid(_)),
+                "{p}"
+            );
+        }
+    }
+
+    #[test]
+    fn reads_model_and_its_span() {
+        let body = br#"{"messages":[{"role":"user","content":"hi \"model\""}], "model" : "gpt-4o", "stream":true}"#;
+        let info = inspect_body(body).unwrap();
+        assert_eq!(info.model.as_deref(), Some("gpt-4o"));
+        let (s, e) = info.model_span.unwrap();
+        assert_eq!(&body[s..e], br#""gpt-4o""#);
+        let out = set_model(body, &info, "gpt4o-ptu").unwrap();
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#"{"messages":[{"role":"user","content":"hi \"model\""}], "model" : "gpt4o-ptu", "stream":true}"#
+        );
+    }
+
+    #[test]
+    fn escaped_model_names_are_unescaped() {
+        let info = inspect_body(br#"{"model":"gpt\u002d4o"}"#).unwrap();
+        assert_eq!(info.model.as_deref(), Some("gpt-4o"));
+    }
+
+    #[test]
+    fn adds_model_when_absent() {
+        let body = br#"  {"input":"x"}"#;
+        let info = inspect_body(body).unwrap();
+        assert_eq!(info.model, None);
+        assert!(info.is_object);
+        assert_eq!(
+            set_model(body, &info, "m").unwrap(),
+            br#"  {"model":"m","input":"x"}"#
+        );
+        let info = inspect_body(b"{ }").unwrap();
+        assert_eq!(set_model(b"{ }", &info, "m").unwrap(), br#"{"model":"m" }"#);
+    }
+
+    #[test]
+    fn bad_bodies() {
+        assert!(matches!(
+            inspect_body(b"{\"model\":"),
+            Err(BodyError::InvalidJson(_))
+        ));
+        assert_eq!(
+            inspect_body(br#"{"model":5}"#),
+            Err(BodyError::ModelNotString)
+        );
+        let info = inspect_body(b"--boundary\r\n").unwrap();
+        assert!(!info.is_object);
+        assert_eq!(set_model(b"--boundary", &info, "m"), None);
+        assert!(!inspect_body(b"").unwrap().is_object);
+    }
+
+    #[test]
+    fn targets_for_each_kind_and_shape() {
+        use BackendKind::*;
+        use ClientShape::*;
+        // Azure classic to Azure: deployment swapped, api-version kept, priority dropped.
+        let t = upstream_target(
+            &RequestParts {
+                shape: AzureDeployment,
+                operation: "chat/completions",
+                query: Some("api-version=2024-10-21&priority=low"),
+                body_model: None,
+                body_is_object: true,
+            },
+            Azure,
+            "",
+            "gpt4o-ptu",
+        );
+        assert_eq!(
+            t.path_and_query,
+            "/openai/deployments/gpt4o-ptu/chat/completions?api-version=2024-10-21"
+        );
+        assert_eq!(t.body_model, None);
+        // Same name in the body: body untouched.
+        let t = upstream_target(
+            &RequestParts {
+                shape: AzureDeployment,
+                operation: "embeddings",
+                query: None,
+                body_model: Some("emb"),
+                body_is_object: true,
+            },
+            Azure,
+            "",
+            "emb",
+        );
+        assert_eq!(t.body_model, None);
+        // OpenAI shape to Azure: v1 API, deployment as model.
+        let t = upstream_target(
+            &RequestParts {
+                shape: OpenAi,
+                operation: "chat/completions",
+                query: None,
+                body_model: Some("gpt-4o"),
+                body_is_object: true,
+            },
+            Azure,
+            "",
+            "gpt4o-ptu",
+        );
+        assert_eq!(t.path_and_query, "/openai/v1/chat/completions");
+        assert_eq!(t.body_model.as_deref(), Some("gpt4o-ptu"));
+        // Azure classic to OpenAI kind: base path kept, api-version dropped, model added.
+        let t = upstream_target(
+            &RequestParts {
+                shape: AzureDeployment,
+                operation: "chat/completions",
+                query: Some("api-version=2024-10-21"),
+                body_model: None,
+                body_is_object: true,
+            },
+            Openai,
+            "/v1",
+            "gpt-4o",
+        );
+        assert_eq!(t.path_and_query, "/v1/chat/completions");
+        assert_eq!(t.body_model.as_deref(), Some("gpt-4o"));
+        // OpenAI to OpenAI, same name: untouched.
+        let t = upstream_target(
+            &RequestParts {
+                shape: OpenAi,
+                operation: "embeddings",
+                query: None,
+                body_model: Some("m"),
+                body_is_object: true,
+            },
+            Openai,
+            "/v1",
+            "m",
+        );
+        assert_eq!(t.path_and_query, "/v1/embeddings");
+        assert_eq!(t.body_model, None);
+    }
+
+    proptest! {
+        #[test]
+        fn inspect_never_panics(body in prop::collection::vec(any::<u8>(), 0..200)) {
+            let _ = inspect_body(&body);
+        }
+
+        #[test]
+        fn rewrite_keeps_valid_json(model in "[a-z0-9.:-]{1,20}", name in "[a-z0-9.:_-]{1,20}", extra in "[a-z ]{0,20}") {
+            let v = serde_json::json!({"messages": [{"role": "user", "content": extra}], "model": model, "n": 1});
+            let body = serde_json::to_vec(&v).unwrap();
+            let info = inspect_body(&body).unwrap();
+            let out = set_model(&body, &info, &name).unwrap();
+            let parsed: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            prop_assert_eq!(parsed["model"].as_str(), Some(name.as_str()));
+            prop_assert_eq!(&parsed["messages"], &v["messages"]);
+        }
+
+        #[test]
+        fn classify_never_panics(path in "/[a-z/._%-]{0,60}") {
+            let _ = classify_path("POST", &path);
+        }
+    }
+}
