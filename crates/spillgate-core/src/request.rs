@@ -246,15 +246,11 @@ pub fn upstream_target(
                 p.push('?');
                 p.push_str(&q);
             }
-            // Azure classic reads the deployment from the path, but a body that names a
-            // different model is rewritten too, so the backend sees one consistent name.
-            let body_model = match body_model {
-                Some(m) if m != deployment => Some(deployment.to_string()),
-                _ => None,
-            };
+            // Azure classic reads the deployment from the path: the body is forwarded
+            // byte for byte, never parsed.
             UpstreamTarget {
                 path_and_query: p,
-                body_model,
+                body_model: None,
             }
         }
         // Body-model shapes to Azure: Azure's v1 API takes the deployment as `model`.

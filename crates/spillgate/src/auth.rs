@@ -1,0 +1,154 @@
+//! Client authentication: the "subscription keys" of the APIM seeds.
+//!
+//! The official SDKs send the key as `api-key` (Azure clients) or `Authorization: Bearer`
+//! (OpenAI clients); APIM users may still send `Ocp-Apim-Subscription-Key`. All are
+//! accepted and none is ever forwarded upstream. Keys are compared in constant time so the
+//! comparison does not reveal how much of a guess was right.
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+use spillgate_core::config::ClientKey;
+use subtle::ConstantTimeEq;
+
+/// The configured client keys, or none when authentication is off.
+#[derive(Debug, Clone)]
+pub struct ClientKeys {
+    keys: Option<Vec<(Arc<str>, Vec<u8>)>>,
+}
+
+/// Who a request came from, for logs (the key's source name, never the key).
+#[derive(Debug, Clone)]
+pub enum Client {
+    Anonymous,
+    Named(Arc<str>),
+}
+
+impl Client {
+    pub fn name(&self) -> &str {
+        match self {
+            Client::Anonymous => "-",
+            Client::Named(n) => n,
+        }
+    }
+}
+
+/// Headers that carry client credentials; removed before forwarding.
+pub const CLIENT_CREDENTIAL_HEADERS: [&str; 3] =
+    ["authorization", "api-key", "ocp-apim-subscription-key"];
+
+impl ClientKeys {
+    pub fn none() -> ClientKeys {
+        ClientKeys { keys: None }
+    }
+
+    pub fn new(keys: &[ClientKey]) -> ClientKeys {
+        ClientKeys {
+            keys: Some(
+                keys.iter()
+                    .map(|k| (Arc::clone(&k.name), k.key.expose().as_bytes().to_vec()))
+                    .collect(),
+            ),
+        }
+    }
+
+    /// The client that sent these headers, or `None` when no configured key matches.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Option<Client> {
+        let Some(keys) = &self.keys else {
+            return Some(Client::Anonymous);
+        };
+        let presented = headers
+            .get("api-key")
+            .map(|v| v.as_bytes())
+            .or_else(|| {
+                headers.get(http::header::AUTHORIZATION).and_then(|v| {
+                    let v = v.as_bytes();
+                    (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| &v[7..])
+                })
+            })
+            .or_else(|| {
+                headers
+                    .get("ocp-apim-subscription-key")
+                    .map(|v| v.as_bytes())
+            })?;
+        let presented = presented.trim_ascii();
+        let mut found = None;
+        // Check every key, without an early exit, so timing does not tell which matched.
+        for (name, key) in keys {
+            if bool::from(key.as_slice().ct_eq(presented)) {
+                found = Some(Client::Named(Arc::clone(name)));
+            }
+        }
+        found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spillgate_core::config::Secret;
+
+    fn keys() -> ClientKeys {
+        ClientKeys::new(&[
+            ClientKey {
+                name: Arc::from("TEAM_A"),
+                key: Secret::new("key-a".into()),
+            },
+            ClientKey {
+                name: Arc::from("TEAM_B"),
+                key: Secret::new("key-b".into()),
+            },
+        ])
+    }
+
+    fn h(name: &'static str, value: &str) -> HeaderMap {
+        let mut m = HeaderMap::new();
+        m.insert(name, value.parse().unwrap());
+        m
+    }
+
+    #[test]
+    fn accepts_every_sdk_form() {
+        let k = keys();
+        assert_eq!(
+            k.authenticate(&h("api-key", "key-a")).unwrap().name(),
+            "TEAM_A"
+        );
+        assert_eq!(
+            k.authenticate(&h("authorization", "Bearer key-b"))
+                .unwrap()
+                .name(),
+            "TEAM_B"
+        );
+        assert_eq!(
+            k.authenticate(&h("authorization", "bearer key-b"))
+                .unwrap()
+                .name(),
+            "TEAM_B"
+        );
+        assert_eq!(
+            k.authenticate(&h("ocp-apim-subscription-key", "key-a"))
+                .unwrap()
+                .name(),
+            "TEAM_A"
+        );
+    }
+
+    #[test]
+    fn rejects_wrong_missing_and_partial_keys() {
+        let k = keys();
+        assert!(k.authenticate(&HeaderMap::new()).is_none());
+        assert!(k.authenticate(&h("api-key", "key-")).is_none());
+        assert!(k.authenticate(&h("api-key", "key-c")).is_none());
+        assert!(k.authenticate(&h("authorization", "Basic key-a")).is_none());
+        assert!(k.authenticate(&h("authorization", "Bearer ")).is_none());
+    }
+
+    #[test]
+    fn none_mode_lets_everyone_in() {
+        assert!(matches!(
+            ClientKeys::none().authenticate(&HeaderMap::new()),
+            Some(Client::Anonymous)
+        ));
+    }
+}

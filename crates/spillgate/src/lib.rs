@@ -1,0 +1,25 @@
+//! spillgate: one OpenAI / Azure OpenAI endpoint in front of many backends, with strict
+//! priority tiers and throttle-aware failover.
+//!
+//! The binary (`main.rs`) is a thin CLI over this library; integration tests start the
+//! same gateway in-process through [`server::start`].
+
+pub mod app;
+pub mod auth;
+pub mod check;
+pub mod demo;
+pub mod errors;
+pub mod proxy;
+pub mod server;
+pub mod state;
+pub mod upstream;
+
+use spillgate_core::config::{Config, ConfigErrors};
+
+/// Loads a config file's text, resolving `env:` secrets from the process environment and
+/// `file:` secrets from disk.
+pub fn load_config(text: &str) -> Result<Config, ConfigErrors> {
+    spillgate_core::config::load(text, &|var| std::env::var(var).ok(), &|path| {
+        std::fs::read_to_string(path).map_err(|e| e.to_string())
+    })
+}

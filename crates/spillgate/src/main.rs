@@ -1,0 +1,148 @@
+//! The `spillgate` command: run the gateway, check a config, or run the demo.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use spillgate_core::config::{AuthConfig, LogFormat};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(
+    name = "spillgate",
+    version,
+    about = "Priority-tiered, throttle-aware gateway for OpenAI and Azure OpenAI"
+)]
+struct Cli {
+    /// Config file (TOML) for running the gateway.
+    #[arg(long, short, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway (the default when no command is given).
+    Run,
+    /// Validate a config file and print the routing table it resolves to.
+    Check,
+    /// Start three simulated backends and the gateway in front of them; no Azure needed.
+    Demo(spillgate::demo::DemoArgs),
+}
+
+fn init_logging(format: LogFormat, level: &str) {
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+fn read_config(path: &Option<PathBuf>) -> Result<spillgate_core::config::Config, ExitCode> {
+    let Some(path) = path else {
+        eprintln!("error: --config FILE is required (see README.md, \"Configuration\")");
+        return Err(ExitCode::from(2));
+    };
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read {}: {e}", path.display());
+            return Err(ExitCode::from(2));
+        }
+    };
+    spillgate::load_config(&text).map_err(|errors| {
+        eprintln!("error: {} is not valid:", path.display());
+        for e in &errors.0 {
+            eprintln!("  {e}");
+        }
+        ExitCode::from(2)
+    })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command.unwrap_or(Command::Run) {
+        Command::Check => match read_config(&cli.config) {
+            Ok(config) => {
+                print!("{}", spillgate::check::render(&config));
+                println!("\nconfig OK");
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        },
+        Command::Run => {
+            let config = match read_config(&cli.config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            init_logging(config.log.format, &config.log.level);
+            run_async(async move {
+                if matches!(config.auth, AuthConfig::None) {
+                    tracing::warn!("CLIENT AUTHENTICATION IS OFF ([auth] mode = \"none\"): anyone who can reach this port can use every backend. Use this for local development only.");
+                }
+                let app = spillgate::app::App::new(config)?;
+                let running = spillgate::server::start(app).await?;
+                // Tests and scripts read this line to find the port when listening on :0.
+                println!("spillgate listening on http://{}", running.addr);
+                tracing::info!(addr = %running.addr, "listening");
+                shutdown_signal().await;
+                tracing::info!("shutting down");
+                running.shutdown().await;
+                Ok(())
+            })
+        }
+        Command::Demo(args) => {
+            init_logging(LogFormat::Text, "warn");
+            run_async(spillgate::demo::run(args))
+        }
+    }
+}
+
+fn run_async(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(fut) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,0 +1,158 @@
+//! What the gateway has learnt about each backend: cooldowns and the last status.
+//!
+//! Read on every request by every connection, so it is lock-free: a cooldown is an atomic
+//! deadline in unix milliseconds, merged with `fetch_max` so that the later deadline wins
+//! even when two requests observe the same backend at once. Unix milliseconds (not
+//! process-local instants) keep the values meaningful if they are shared between
+//! instances later.
+
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicU8, Ordering};
+use std::time::SystemTime;
+
+use spillgate_core::outcome::{unix_ms, CoolReason, Cooldown};
+
+/// Wall-clock milliseconds derived from tokio's clock, so that paused-time tests move
+/// cooldowns forward together with `tokio::time`.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    base_instant: tokio::time::Instant,
+    base_unix_ms: u64,
+}
+
+impl Clock {
+    pub fn new() -> Clock {
+        Clock {
+            base_instant: tokio::time::Instant::now(),
+            base_unix_ms: unix_ms(SystemTime::now()),
+        }
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        let elapsed = tokio::time::Instant::now().saturating_duration_since(self.base_instant);
+        self.base_unix_ms
+            .saturating_add(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    /// The tokio instant at which unix time `ms` is reached.
+    pub fn instant_at(&self, ms: u64) -> tokio::time::Instant {
+        self.base_instant + std::time::Duration::from_millis(ms.saturating_sub(self.base_unix_ms))
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock::new()
+    }
+}
+
+/// Live state of one backend.
+#[derive(Debug, Default)]
+pub struct BackendState {
+    cool_until_ms: AtomicU64,
+    reason: AtomicU8,
+    last_status: AtomicU16,
+}
+
+/// How a backend looks at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Availability {
+    Ready,
+    Cooling {
+        until_ms: u64,
+        reason: Option<CoolReason>,
+    },
+}
+
+impl BackendState {
+    pub fn is_ready(&self, now_ms: u64) -> bool {
+        self.cool_until_ms.load(Ordering::Relaxed) <= now_ms
+    }
+
+    pub fn cooldown(&self, now_ms: u64) -> Option<Cooldown> {
+        let until_ms = self.cool_until_ms.load(Ordering::Relaxed);
+        if until_ms <= now_ms {
+            return None;
+        }
+        let reason = CoolReason::from_u8(self.reason.load(Ordering::Relaxed))
+            .unwrap_or(CoolReason::ServerError);
+        Some(Cooldown { until_ms, reason })
+    }
+
+    pub fn availability(&self, now_ms: u64) -> Availability {
+        match self.cooldown(now_ms) {
+            None => Availability::Ready,
+            Some(c) => Availability::Cooling {
+                until_ms: c.until_ms,
+                reason: Some(c.reason),
+            },
+        }
+    }
+
+    /// Records a cooldown; the later deadline wins. Returns whether this one extended it.
+    pub fn cool(&self, cooldown: Cooldown) -> bool {
+        let previous = self
+            .cool_until_ms
+            .fetch_max(cooldown.until_ms, Ordering::AcqRel);
+        if cooldown.until_ms > previous {
+            // A racing cooldown with a later deadline may store its reason after ours;
+            // the reason is informational, the deadline is what routing reads.
+            self.reason
+                .store(cooldown.reason.to_u8(), Ordering::Relaxed);
+            true
+        } else {
+            false
+        }
+    }
+
+    pub fn set_last_status(&self, status: u16) {
+        self.last_status.store(status, Ordering::Relaxed);
+    }
+
+    pub fn last_status(&self) -> Option<u16> {
+        match self.last_status.load(Ordering::Relaxed) {
+            0 => None,
+            s => Some(s),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn later_deadline_wins_under_races() {
+        let s = BackendState::default();
+        assert!(s.cool(Cooldown {
+            until_ms: 100,
+            reason: CoolReason::Throttled
+        }));
+        assert!(!s.cool(Cooldown {
+            until_ms: 50,
+            reason: CoolReason::ServerError
+        }));
+        assert_eq!(
+            s.cooldown(10),
+            Some(Cooldown {
+                until_ms: 100,
+                reason: CoolReason::Throttled
+            })
+        );
+        assert!(!s.is_ready(99));
+        assert!(s.is_ready(100));
+        assert_eq!(s.availability(100), Availability::Ready);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn clock_follows_paused_tokio_time() {
+        let c = Clock::new();
+        let t0 = c.now_ms();
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert_eq!(c.now_ms() - t0, 20_000);
+        assert_eq!(
+            c.instant_at(t0 + 5_000),
+            c.base_instant + Duration::from_millis(5_000)
+        );
+    }
+}
