@@ -36,6 +36,9 @@ pub struct DemoArgs {
     /// Highest offered load during `--load`, in requests per second.
     #[arg(long, default_value_t = 45)]
     pub peak_rps: u32,
+    /// Exit when the load ends instead of serving on until Ctrl-C.
+    #[arg(long, requires = "load")]
+    pub exit: bool,
     /// Where the gateway listens.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
@@ -167,13 +170,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             SIMULATED[0].rpm / 60
         );
         drive_load(&app, &mocks, running.addr, &client_key, &args).await?;
-        running.shutdown().await;
-        for m in mocks {
-            m.shutdown().await;
+        if args.exit {
+            running.shutdown().await;
+            for m in mocks {
+                m.shutdown().await;
+            }
+            return Ok(());
         }
-        return Ok(());
+        println!("\nThe gateway is still running at {gw} for the snippets above. Ctrl-C stops.");
+    } else {
+        println!("\nRun `spillgate demo --load` to watch traffic spill to priority 2 and come back. Ctrl-C stops.");
     }
-    println!("\nRun `spillgate demo --load` to watch traffic spill to priority 2 and come back. Ctrl-C stops.");
     let _ = tokio::signal::ctrl_c().await;
     running.shutdown().await;
     Ok(())

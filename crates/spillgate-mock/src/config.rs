@@ -1,0 +1,65 @@
+//! How a mock backend behaves when nothing is scripted.
+
+use std::time::Duration;
+
+/// Configuration of one mock backend.
+#[derive(Clone, Debug)]
+pub struct MockConfig {
+    /// Echoed in every response as `x-mock-backend: <name>` and in the
+    /// generated content (`"Hello from <name>"`), so a test can tell which
+    /// backend answered.
+    pub name: String,
+    /// Added before answering every API request.
+    pub latency: Duration,
+    /// Content chunks in a built-in SSE stream.
+    pub stream_chunks: usize,
+    /// Pause between SSE chunks.
+    pub chunk_interval: Duration,
+    /// Per-deployment rate limits; `None` = unlimited.
+    pub limits: Option<Limits>,
+    /// If set, a request is answered 401 unless its `api-key` header or its
+    /// `Authorization: Bearer` token equals this key.
+    pub expect_api_key: Option<String>,
+    /// Keep request bodies in the recorded requests. Benchmarks turn this off
+    /// so that recording costs no more than the headers.
+    pub record_bodies: bool,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        MockConfig {
+            name: "mock".to_owned(),
+            latency: Duration::ZERO,
+            stream_chunks: 10,
+            chunk_interval: Duration::ZERO,
+            limits: None,
+            expect_api_key: None,
+            record_bodies: true,
+        }
+    }
+}
+
+impl MockConfig {
+    /// The default configuration with another name.
+    pub fn named(name: &str) -> MockConfig {
+        MockConfig {
+            name: name.to_owned(),
+            ..MockConfig::default()
+        }
+    }
+}
+
+/// Rate limits, enforced per deployment (or model) over fixed windows.
+///
+/// Azure states quotas per minute but enforces them over short windows, so a
+/// window of `window` allows `ceil(rpm * window / 60 s)` requests and
+/// `ceil(tpm * window / 60 s)` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Requests per minute.
+    pub rpm: u32,
+    /// Tokens per minute.
+    pub tpm: u32,
+    /// Length of one enforcement window.
+    pub window: Duration,
+}

@@ -1,0 +1,34 @@
+//! A scriptable OpenAI / Azure OpenAI backend for testing, demonstrating and
+//! benchmarking the gateway without real model endpoints.
+//!
+//! A [`MockBackend`] serves the OpenAI (`/v1/...`), Azure v1
+//! (`/openai/v1/...`) and Azure classic
+//! (`/openai/deployments/{deployment}/...`) paths with responses the official
+//! SDKs accept: chat completions (JSON or SSE), completions, embeddings,
+//! responses and model lists. On top of that a test can
+//!
+//! * queue scripted [`Reply`]s (errors, 429s, raw bodies, slow or broken
+//!   streams) and replace the default behaviour,
+//! * enforce Azure-like per-deployment [`Limits`] with realistic 429s and
+//!   `x-ratelimit-*` headers,
+//! * inspect every received request ([`RecordedRequest`]) and counters such
+//!   as completed and client-cancelled streams.
+//!
+//! Everything is also reachable over HTTP under `/_mock/` (`GET state`,
+//! `POST script`, `POST default`, `POST reset`) for tests that run the
+//! `spillgate-mock` binary out of process.
+
+mod body;
+mod config;
+mod handler;
+mod limiter;
+mod openai;
+mod reply;
+mod server;
+mod state;
+
+pub use config::{Limits, MockConfig};
+pub use openai::stream_text;
+pub use reply::{Reply, ReplyBody};
+pub use server::MockBackend;
+pub use state::{MockState, RecordedRequest};

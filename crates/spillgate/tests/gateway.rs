@@ -1,0 +1,800 @@
+//! End-to-end behaviour of the gateway against in-process mock backends on loopback:
+//! failover, tiers, cooldowns, streaming, credentials, limits and translation between
+//! the Azure and OpenAI request shapes.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a failed setup step should abort the test loudly"
+)]
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use sha2::{Digest, Sha256};
+use spillgate::app::App;
+use spillgate::server::{start, Running};
+use spillgate_mock::{MockBackend, MockConfig, Reply};
+
+const CLIENT_KEY: &str = "client-secret-key-123";
+const BACKEND_KEYS: [&str; 4] = [
+    "backend-key-aaaaaaaa",
+    "backend-key-bbbbbbbb",
+    "backend-key-cccccccc",
+    "backend-key-dddddddd",
+];
+const CHAT: &str =
+    r#"{"model":"gpt-4o","messages":[{"role":"user","content":"Hello, which backend are you?"}]}"#;
+
+/// One backend to start: (name, kind, priority, weight, deployments).
+struct B {
+    name: &'static str,
+    kind: &'static str,
+    priority: u32,
+    weight: u32,
+    deployments: Option<&'static str>,
+}
+
+fn b(name: &'static str, priority: u32) -> B {
+    B {
+        name,
+        kind: "azure",
+        priority,
+        weight: 1,
+        deployments: None,
+    }
+}
+
+struct Env {
+    mocks: Vec<MockBackend>,
+    gw: Running,
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+}
+
+impl Env {
+    async fn start(backends: Vec<B>, extra: &str) -> Env {
+        let mut mocks = Vec::new();
+        for (i, spec) in backends.iter().enumerate() {
+            let cfg = MockConfig {
+                name: spec.name.to_string(),
+                expect_api_key: Some(BACKEND_KEYS[i].to_string()),
+                stream_chunks: 5,
+                ..MockConfig::default()
+            };
+            mocks.push(MockBackend::start(cfg).await.unwrap());
+        }
+        Self::start_with(backends, mocks, extra).await
+    }
+
+    async fn start_with(backends: Vec<B>, mocks: Vec<MockBackend>, extra: &str) -> Env {
+        let mut text = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 4096\n[auth]\nclient_keys = [\"env:CLIENT\"]\n{extra}\n"
+        );
+        for (i, spec) in backends.iter().enumerate() {
+            let url = if spec.kind == "openai" {
+                format!("{}/v1", mocks[i].url())
+            } else {
+                mocks[i].url()
+            };
+            text.push_str(&format!(
+                "[[backends]]\nname = \"{}\"\nkind = \"{}\"\nurl = \"{url}\"\npriority = {}\nweight = {}\napi_key = \"env:KEY{i}\"\n",
+                spec.name, spec.kind, spec.priority, spec.weight
+            ));
+            if let Some(d) = spec.deployments {
+                text.push_str(&format!("deployments = {d}\n"));
+            }
+        }
+        let config = spillgate_core::config::load(
+            &text,
+            &|v| match v {
+                "CLIENT" => Some(CLIENT_KEY.to_string()),
+                k => k
+                    .strip_prefix("KEY")
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .map(|n| BACKEND_KEYS[n].to_string()),
+            },
+            &|_| Err("no files".into()),
+        )
+        .unwrap_or_else(|e| panic!("config: {e}\n{text}"));
+        let gw = start(App::new(config).unwrap()).await.unwrap();
+        let client = Client::builder(TokioExecutor::new()).build_http();
+        Env { mocks, gw, client }
+    }
+
+    fn request(&self, method: &str, path: &str, _body: &str) -> http::request::Builder {
+        http::Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.gw.addr))
+            .header("content-type", "application/json")
+            .header("api-key", CLIENT_KEY)
+    }
+
+    async fn send(
+        &self,
+        req: http::request::Builder,
+        body: &str,
+    ) -> (StatusCode, HeaderMap, Bytes) {
+        let resp = self
+            .client
+            .request(req.body(Full::new(Bytes::from(body.to_string()))).unwrap())
+            .await
+            .unwrap();
+        let (parts, body) = resp.into_parts();
+        let bytes = body.collect().await.unwrap().to_bytes();
+        (parts.status, parts.headers, bytes)
+    }
+
+    async fn post(&self, path: &str, body: &str) -> (StatusCode, HeaderMap, Bytes) {
+        self.send(self.request("POST", path, body), body).await
+    }
+
+    async fn chat(&self) -> (StatusCode, HeaderMap, Bytes) {
+        self.post("/v1/chat/completions", CHAT).await
+    }
+
+    async fn azure_chat(&self, deployment: &str) -> (StatusCode, HeaderMap, Bytes) {
+        self.post(
+            &format!("/openai/deployments/{deployment}/chat/completions?api-version=2024-10-21"),
+            CHAT,
+        )
+        .await
+    }
+
+    fn hits(&self) -> Vec<u64> {
+        self.mocks.iter().map(MockBackend::hits).collect()
+    }
+}
+
+fn header<'a>(h: &'a HeaderMap, name: &str) -> &'a str {
+    h.get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
+}
+
+fn sha(body: &[u8]) -> String {
+    Sha256::digest(body)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn json(body: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(body)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(body)))
+}
+
+// ---------------------------------------------------------------------------------------
+// Failover
+// ---------------------------------------------------------------------------------------
+
+async fn failover_case(first_reply: Reply) {
+    let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    env.mocks[0].push_script(vec![first_reply]);
+    let (status, h, body) = env.azure_chat("gpt-4o").await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(header(&h, "x-spillgate-backend"), "p2");
+    assert_eq!(header(&h, "x-spillgate-attempts"), "2");
+    assert_eq!(env.hits(), vec![1, 1]);
+    // The second backend got exactly the bytes the first one got.
+    let first = &env.mocks[0].requests()[0];
+    let second = &env.mocks[1].requests()[0];
+    assert_eq!(first.body_sha256, second.body_sha256);
+    assert_eq!(second.body_sha256, sha(CHAT.as_bytes()));
+    // The failed backend is cooling: the next request goes straight to p2.
+    let (status, h, _) = env.azure_chat("gpt-4o").await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&h, "x-spillgate-attempts"), "1");
+    assert_eq!(env.hits(), vec![1, 2]);
+}
+
+#[tokio::test]
+async fn failover_on_429() {
+    failover_case(Reply::throttled(20)).await;
+}
+
+#[tokio::test]
+async fn failover_on_500() {
+    failover_case(Reply::status(500)).await;
+}
+
+#[tokio::test]
+async fn failover_on_503() {
+    failover_case(Reply::status(503).with_header("retry-after", "5")).await;
+}
+
+#[tokio::test]
+async fn failover_on_connection_refused() {
+    // A port with nothing listening: bind, note the port, close.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let live = MockBackend::start(MockConfig {
+        name: "p2".into(),
+        expect_api_key: Some(BACKEND_KEYS[1].into()),
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let placeholder = MockBackend::start(MockConfig::named("unused"))
+        .await
+        .unwrap();
+    // Start with the placeholder, then point backend 0 at the dead port by config text.
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[auth]\nclient_keys = [\"env:CLIENT\"]\n\
+         [[backends]]\nname = \"dead\"\nkind = \"azure\"\nurl = \"http://{dead_addr}\"\npriority = 1\napi_key = \"env:KEY0\"\n\
+         [[backends]]\nname = \"p2\"\nkind = \"azure\"\nurl = \"{}\"\npriority = 2\napi_key = \"env:KEY1\"\n",
+        live.url()
+    );
+    drop(placeholder);
+    let config = spillgate_core::config::load(
+        &text,
+        &|v| match v {
+            "CLIENT" => Some(CLIENT_KEY.into()),
+            "KEY0" => Some(BACKEND_KEYS[0].into()),
+            "KEY1" => Some(BACKEND_KEYS[1].into()),
+            _ => None,
+        },
+        &|_| Err(String::new()),
+    )
+    .unwrap();
+    let gw = start(App::new(config).unwrap()).await.unwrap();
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let req = http::Request::post(format!("http://{}/v1/chat/completions", gw.addr))
+        .header("api-key", CLIENT_KEY)
+        .body(Full::new(Bytes::from_static(CHAT.as_bytes())))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(header(resp.headers(), "x-spillgate-backend"), "p2");
+    assert_eq!(header(resp.headers(), "x-spillgate-attempts"), "2");
+    assert_eq!(live.requests()[0].body_sha256, sha(CHAT.as_bytes()));
+    // The dead backend is cooling for the connect default.
+    let snap = gw.app.snapshot.load();
+    let now = gw.app.clock.now_ms();
+    let c = snap.backends[0]
+        .state
+        .cooldown(now)
+        .expect("dead backend cooling");
+    assert_eq!(c.reason.as_str(), "connect");
+}
+
+#[tokio::test]
+async fn first_byte_timeout_fails_over() {
+    let env = Env::start(
+        vec![b("slow", 1), b("fast", 2)],
+        "[timeouts]\nfirst_byte = \"200ms\"\n",
+    )
+    .await;
+    env.mocks[0].push_script(vec![Reply::status(200).with_delay_ms(5_000)]);
+    let (status, h, _) = env.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&h, "x-spillgate-backend"), "fast");
+}
+
+// ---------------------------------------------------------------------------------------
+// Tiers, weights and cooldowns
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn strict_tiers_then_spill_then_return() {
+    let env = Env::start(vec![b("p1a", 1), b("p1b", 1), b("p2", 2)], "").await;
+    for _ in 0..60 {
+        assert_eq!(env.chat().await.0, 200);
+    }
+    let h = env.hits();
+    assert_eq!(
+        h[2], 0,
+        "priority 2 must get nothing while priority 1 is ready: {h:?}"
+    );
+    assert_eq!(h[0] + h[1], 60);
+    assert!(
+        h[0] > 10 && h[1] > 10,
+        "random choice inside the tier: {h:?}"
+    );
+
+    // Both priority-1 backends throttle with a short precise hint: traffic spills...
+    env.mocks[0].push_script(vec![
+        Reply::throttled(1).with_header("retry-after-ms", "300")
+    ]);
+    env.mocks[1].push_script(vec![
+        Reply::throttled(1).with_header("retry-after-ms", "300")
+    ]);
+    let before = env.hits();
+    for _ in 0..2 {
+        let (s, h, _) = env.chat().await;
+        assert_eq!(s, 200);
+        assert_eq!(header(&h, "x-spillgate-backend"), "p2");
+    }
+    let (s, h, _) = env.chat().await;
+    assert_eq!(s, 200);
+    assert_eq!(header(&h, "x-spillgate-backend"), "p2");
+    let after = env.hits();
+    assert_eq!(
+        after[0] + after[1] - before[0] - before[1],
+        2,
+        "each p1 backend tried once"
+    );
+    // ...and comes back when the cooldown ends.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let (s, h, _) = env.chat().await;
+    assert_eq!(s, 200);
+    assert!(
+        header(&h, "x-spillgate-backend").starts_with("p1"),
+        "back on priority 1"
+    );
+}
+
+#[tokio::test]
+async fn weights_split_traffic_inside_a_tier() {
+    let mut heavy = b("heavy", 1);
+    heavy.weight = 3;
+    let env = Env::start(vec![b("light", 1), heavy], "").await;
+    for _ in 0..200 {
+        assert_eq!(env.chat().await.0, 200);
+    }
+    let h = env.hits();
+    // Expected 50 / 150; binomial sd ~6, so 30..70 is ~3.3 sd either way.
+    assert!((30..=70).contains(&h[0]), "{h:?}");
+}
+
+#[tokio::test]
+async fn all_throttled_answers_429_with_the_soonest_recovery() {
+    let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    env.mocks[0].push_script(vec![Reply::throttled(30)]);
+    env.mocks[1].push_script(vec![Reply::throttled(12)]);
+    let (status, h, body) = env.chat().await;
+    assert_eq!(status, 429);
+    let ra: u64 = header(&h, "retry-after").parse().unwrap();
+    assert!((11..=12).contains(&ra), "soonest is 12 s, got {ra}");
+    let ra_ms: u64 = header(&h, "retry-after-ms").parse().unwrap();
+    assert!((11_000..=12_000).contains(&ra_ms), "{ra_ms}");
+    assert_eq!(header(&h, "x-spillgate-attempts"), "2");
+    let v = json(&body);
+    assert_eq!(v["error"]["code"], "all_backends_throttled");
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    // While they cool, requests are answered at once without touching any backend.
+    let (status, h, _) = env.chat().await;
+    assert_eq!(status, 429);
+    assert_eq!(header(&h, "x-spillgate-attempts"), "0");
+    assert_eq!(env.hits(), vec![1, 1]);
+}
+
+#[tokio::test]
+async fn mixed_failures_answer_503() {
+    let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    env.mocks[0].push_script(vec![Reply::throttled(30)]);
+    env.mocks[1].push_script(vec![Reply::status(502)]);
+    let (status, h, body) = env.chat().await;
+    assert_eq!(status, 503);
+    assert_eq!(json(&body)["error"]["code"], "no_backend_available");
+    assert!(header(&h, "retry-after").parse::<u64>().unwrap() >= 9);
+}
+
+#[tokio::test]
+async fn forward_first_policy_sends_to_the_first_backend_anyway() {
+    let env = Env::start(
+        vec![b("p1", 1), b("p2", 2)],
+        "[routing]\nwhen_all_cooling = \"forward-first\"\n",
+    )
+    .await;
+    env.mocks[0].push_script(vec![Reply::throttled(30)]);
+    env.mocks[1].push_script(vec![Reply::throttled(30)]);
+    assert_eq!(env.chat().await.0, 429);
+    // Both cooling: the next request still goes to the first backend, whose answer
+    // (here a success) is returned.
+    let (status, h, _) = env.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&h, "x-spillgate-backend"), "p1");
+    assert_eq!(env.hits(), vec![2, 1]);
+}
+
+#[tokio::test]
+async fn wait_policy_waits_for_the_soonest_recovery_within_the_bound() {
+    let env = Env::start(
+        vec![b("p1", 1), b("p2", 2)],
+        "[routing]\nwhen_all_cooling = \"wait\"\nmax_wait = \"2s\"\n",
+    )
+    .await;
+    env.mocks[0].push_script(vec![
+        Reply::throttled(1).with_header("retry-after-ms", "200")
+    ]);
+    env.mocks[1].push_script(vec![
+        Reply::throttled(1).with_header("retry-after-ms", "250")
+    ]);
+    // First request: both fail; each was tried once, so it is answered 429.
+    assert_eq!(env.chat().await.0, 429);
+    // Second request: both cooling; it waits for p1's recovery and is served there.
+    let (status, h, _) = env.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&h, "x-spillgate-backend"), "p1");
+    // A wait longer than max_wait is not taken.
+    env.mocks[0].push_script(vec![Reply::throttled(30)]);
+    env.mocks[1].push_script(vec![Reply::throttled(30)]);
+    assert_eq!(env.chat().await.0, 429);
+    assert_eq!(env.chat().await.0, 429);
+}
+
+#[tokio::test]
+async fn client_errors_are_returned_not_retried_and_do_not_cool() {
+    let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    let err = serde_json::json!({"error": {"code": "content_filter", "message": "filtered"}});
+    env.mocks[0].push_script(vec![Reply::json(400, err.clone()), Reply::status(404)]);
+    let (status, h, body) = env.chat().await;
+    assert_eq!(status, 400);
+    assert_eq!(json(&body), err);
+    assert_eq!(header(&h, "x-spillgate-backend"), "p1");
+    assert_eq!(header(&h, "x-spillgate-attempts"), "1");
+    assert_eq!(env.chat().await.0, 404);
+    assert_eq!(env.chat().await.0, 200);
+    assert_eq!(env.hits(), vec![3, 0]);
+}
+
+#[tokio::test]
+async fn retry_after_http_date_sets_the_cooldown() {
+    let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    let at = std::time::SystemTime::now() + Duration::from_secs(40);
+    env.mocks[0].push_script(vec![
+        Reply::status(429).with_header("retry-after", &httpdate::fmt_http_date(at))
+    ]);
+    assert_eq!(env.chat().await.0, 200);
+    let snap = env.gw.app.snapshot.load();
+    let now = env.gw.app.clock.now_ms();
+    let left = snap.backends[0].state.cooldown(now).unwrap().until_ms - now;
+    assert!((38_000..=40_000).contains(&left), "{left}");
+}
+
+#[tokio::test]
+async fn garbage_retry_after_uses_the_default_and_huge_is_clamped() {
+    let env = Env::start(
+        vec![b("p1", 1), b("p2", 1), b("p3", 2)],
+        "[cooldown]\ndefault_429 = \"7s\"\nmax = \"60s\"\n",
+    )
+    .await;
+    env.mocks[0].set_default(Some(Reply::status(429).with_header("retry-after", "soon")));
+    env.mocks[1].set_default(Some(Reply::status(429).with_header("retry-after", "86400")));
+    // Two requests are enough to hit both priority-1 backends once each.
+    assert_eq!(env.chat().await.0, 200);
+    assert_eq!(env.chat().await.0, 200);
+    let snap = env.gw.app.snapshot.load();
+    let now = env.gw.app.clock.now_ms();
+    let left = |i: usize| {
+        snap.backends[i]
+            .state
+            .cooldown(now)
+            .map(|c| c.until_ms - now)
+            .unwrap_or(0)
+    };
+    assert!(
+        (6_000..=7_000).contains(&left(0)),
+        "default 7 s, got {}",
+        left(0)
+    );
+    assert!(
+        (59_000..=60_000).contains(&left(1)),
+        "clamped to 60 s, got {}",
+        left(1)
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Streaming
+// ---------------------------------------------------------------------------------------
+
+async fn open_stream(env: &Env) -> hyper::body::Incoming {
+    let body = r#"{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let req = env
+        .request("POST", "/v1/chat/completions", body)
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let resp = env.client.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(header(resp.headers(), "content-type"), "text/event-stream");
+    resp.into_body()
+}
+
+#[tokio::test]
+async fn sse_chunks_arrive_as_the_backend_sends_them() {
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    env.mocks[0].push_script(vec![Reply::stream(5, 150)]);
+    let mut body = open_stream(&env).await;
+    let mut received = Vec::new();
+    // The first frame reaches the client while the backend is still producing.
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    received.extend_from_slice(&first);
+    assert!(std::str::from_utf8(&first).unwrap().starts_with("data: "));
+    assert_eq!(
+        env.mocks[0].streams_completed(),
+        0,
+        "first chunk came before the stream ended"
+    );
+    while let Some(frame) = body.frame().await {
+        if let Ok(d) = frame.unwrap().into_data() {
+            received.extend_from_slice(&d);
+        }
+    }
+    let text = String::from_utf8(received).unwrap();
+    assert_eq!(text.matches("data: {").count(), 5);
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    assert_eq!(env.mocks[0].streams_completed(), 1);
+}
+
+#[tokio::test]
+async fn sse_bytes_pass_through_unchanged_whatever_the_framing() {
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    let odd = "data:{\"a\":1}\r\n\r\n: comment\n\ndata: [DONE]\n\n";
+    env.mocks[0].push_script(vec![Reply::raw(200, odd, Some("text/plain"))]);
+    let (status, h, body) = env.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&h, "content-type"), "text/plain");
+    assert_eq!(body, odd.as_bytes());
+}
+
+#[tokio::test]
+async fn mid_stream_break_ends_the_client_stream_without_done() {
+    let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    env.mocks[0].push_script(vec![Reply::broken_stream(10, 20, 3)]);
+    let mut body = open_stream(&env).await;
+    let mut text = String::new();
+    let mut errored = false;
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => {
+                if let Ok(d) = f.into_data() {
+                    text.push_str(&String::from_utf8_lossy(&d));
+                }
+            }
+            Err(_) => {
+                errored = true;
+                break;
+            }
+        }
+    }
+    assert!(errored, "the client must see the stream break, got: {text}");
+    assert_eq!(text.matches("data: {").count(), 3);
+    assert!(!text.contains("[DONE]"));
+    // No failover after the first byte: the second backend was never called.
+    assert_eq!(env.hits(), vec![1, 0]);
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_upstream_stream() {
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    env.mocks[0].push_script(vec![Reply::stream(50, 50)]);
+    let mut body = open_stream(&env).await;
+    body.frame().await.unwrap().unwrap();
+    drop(body);
+    for _ in 0..100 {
+        if env.mocks[0].streams_cancelled() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(env.mocks[0].streams_cancelled(), 1);
+    assert_eq!(env.mocks[0].streams_completed(), 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// Credentials and limits
+// ---------------------------------------------------------------------------------------
+
+/// Collects every log line the gateway writes during a test.
+#[derive(Clone, Default)]
+struct LogBuf(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogBuf {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn credentials_are_kept_apart_and_never_logged() {
+    let logs = LogBuf::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let mut p2 = b("p2", 2);
+    p2.kind = "openai";
+    let env = Env::start(vec![b("p1", 1), p2], "").await;
+    env.mocks[0].push_script(vec![Reply::throttled(20)]);
+    let req = env
+        .request("POST", "/v1/chat/completions", CHAT)
+        .header("authorization", format!("Bearer {CLIENT_KEY}"))
+        .header("cookie", "session=abc")
+        .header("connection", "x-hop")
+        .header("x-hop", "1")
+        .header("x-custom", "kept");
+    let (status, h, body) = env.send(req, CHAT).await;
+    assert_eq!(status, 200);
+
+    // Each backend received its own credential in its own form, never the client's.
+    let r0 = &env.mocks[0].requests()[0];
+    assert_eq!(r0.header("api-key"), Some(BACKEND_KEYS[0]));
+    assert_eq!(r0.header("authorization"), None);
+    let r1 = &env.mocks[1].requests()[0];
+    assert_eq!(
+        r1.header("authorization"),
+        Some(format!("Bearer {}", BACKEND_KEYS[1]).as_str())
+    );
+    assert_eq!(r1.header("api-key"), None);
+    for r in env.mocks.iter().flat_map(|m| m.requests()) {
+        let all = format!("{:?} {}", r.headers, r.body);
+        assert!(
+            !all.contains(CLIENT_KEY),
+            "client key reached a backend: {all}"
+        );
+        assert_eq!(r.header("cookie"), None);
+        assert_eq!(r.header("x-hop"), None);
+        assert_eq!(r.header("x-custom"), Some("kept"));
+    }
+    // Backend keys never come back to the client or into the logs.
+    let response_text = format!("{h:?} {}", String::from_utf8_lossy(&body));
+    let log_text = String::from_utf8_lossy(&logs.0.lock().unwrap()).to_string();
+    assert!(
+        log_text.contains("backend cooling down"),
+        "logs were captured: {log_text}"
+    );
+    for key in &BACKEND_KEYS[..2] {
+        assert!(!response_text.contains(key));
+        assert!(!log_text.contains(key), "backend key in logs");
+    }
+    assert!(!log_text.contains(CLIENT_KEY), "client key in logs");
+    assert!(!log_text.contains("Hello, which backend"), "prompt in logs");
+}
+
+#[tokio::test]
+async fn wrong_or_missing_client_key_is_refused_before_any_upstream_call() {
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    let req = http::Request::post(format!("http://{}/v1/chat/completions", env.gw.addr))
+        .header("api-key", "nope");
+    let (status, _, body) = env.send(req, CHAT).await;
+    assert_eq!(status, 401);
+    assert_eq!(json(&body)["error"]["code"], "invalid_api_key");
+    let req = http::Request::post(format!("http://{}/v1/chat/completions", env.gw.addr));
+    assert_eq!(env.send(req, CHAT).await.0, 401);
+    assert_eq!(env.hits(), vec![0]);
+}
+
+#[tokio::test]
+async fn oversized_body_gets_413_before_any_upstream_call() {
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    let big = format!(r#"{{"model":"gpt-4o","input":"{}"}}"#, "x".repeat(5000));
+    let (status, _, body) = env.post("/v1/embeddings", &big).await;
+    assert_eq!(status, 413);
+    assert_eq!(json(&body)["error"]["code"], "request_too_large");
+    assert_eq!(env.hits(), vec![0]);
+}
+
+#[tokio::test]
+async fn unknown_model_and_bad_paths() {
+    let mut p1 = b("p1", 1);
+    p1.deployments = Some(r#"{ "gpt-4o" = "gpt4o-ptu" }"#);
+    let env = Env::start(vec![p1], "").await;
+    let (status, _, body) = env
+        .post("/v1/chat/completions", r#"{"model":"gpt-5","messages":[]}"#)
+        .await;
+    assert_eq!(status, 404);
+    let v = json(&body);
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert!(
+        !v.to_string().contains("127.0.0.1"),
+        "no backend URLs in errors"
+    );
+    assert_eq!(env.azure_chat("gpt-5").await.0, 404);
+    assert_eq!(
+        env.post("/v1/chat/completions", r#"{"messages":[]}"#)
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        env.post("/v1/chat/completions", r#"{"model":"#).await.0,
+        400
+    );
+    assert_eq!(
+        env.post("/openai/deployments/x/../../admin", CHAT).await.0,
+        400
+    );
+    assert_eq!(env.post("/admin", CHAT).await.0, 404);
+    assert_eq!(env.hits(), vec![0]);
+    // GET /v1/models lists the configured models.
+    let (status, _, body) = env.send(env.request("GET", "/v1/models", ""), "").await;
+    assert_eq!(status, 200);
+    assert_eq!(json(&body)["data"][0]["id"], "gpt-4o");
+}
+
+#[tokio::test]
+async fn health_and_readiness() {
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    let get = |p: &str| http::Request::get(format!("http://{}{p}", env.gw.addr));
+    assert_eq!(env.send(get("/healthz"), "").await.0, 200);
+    let (s, _, body) = env.send(get("/readyz"), "").await;
+    assert_eq!(s, 200);
+    assert_eq!(json(&body)["backends"][0]["state"], "ready");
+    env.mocks[0].push_script(vec![Reply::throttled(30)]);
+    assert_eq!(env.chat().await.0, 429);
+    let (s, _, body) = env.send(get("/readyz"), "").await;
+    assert_eq!(s, 503);
+    let v = json(&body);
+    assert_eq!(v["backends"][0]["state"], "cooling");
+    assert_eq!(v["backends"][0]["reason"], "429");
+    assert!(!v.to_string().contains("127.0.0.1"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Shape translation
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn openai_shape_to_azure_backend_uses_the_deployment_name() {
+    let mut p1 = b("ptu", 1);
+    p1.deployments = Some(r#"{ "gpt-4o" = "gpt4o-ptu" }"#);
+    let env = Env::start(vec![p1], "").await;
+    let (status, _, body) = env.post("/v1/chat/completions?priority=low", CHAT).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let r = &env.mocks[0].requests()[0];
+    assert_eq!(r.path, "/openai/v1/chat/completions");
+    assert_eq!(r.query, None, "priority is consumed by the gateway");
+    assert_eq!(json(r.body.as_bytes())["model"], "gpt4o-ptu");
+    // Azure classic client, same backend: deployment swapped in the path, body untouched.
+    let (status, _, _) = env.azure_chat("gpt-4o").await;
+    assert_eq!(status, 200);
+    let r = &env.mocks[0].requests()[1];
+    assert_eq!(r.path, "/openai/deployments/gpt4o-ptu/chat/completions");
+    assert_eq!(r.query.as_deref(), Some("api-version=2024-10-21"));
+    assert_eq!(r.body_sha256, sha(CHAT.as_bytes()));
+}
+
+#[tokio::test]
+async fn azure_shape_to_openai_backend_puts_the_model_in_the_body() {
+    let mut p1 = b("vllm", 1);
+    p1.kind = "openai";
+    p1.deployments =
+        Some(r#"{ "gpt-4o" = "meta-llama/x" }"#.replace("meta-llama/x", "llama-3.1-8b").leak());
+    let env = Env::start(vec![p1], "").await;
+    let body = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
+    let (status, _, _) = env
+        .post(
+            "/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21",
+            body,
+        )
+        .await;
+    assert_eq!(status, 200);
+    let r = &env.mocks[0].requests()[0];
+    assert_eq!(r.path, "/v1/chat/completions");
+    assert_eq!(
+        r.query, None,
+        "api-version means nothing to an OpenAI-compatible server"
+    );
+    let v = json(r.body.as_bytes());
+    assert_eq!(v["model"], "llama-3.1-8b");
+    assert_eq!(v["messages"][0]["content"], "hi");
+}
+
+#[tokio::test]
+async fn a_failed_backend_is_not_retried_for_the_same_request_even_when_ready() {
+    // `Retry-After: 0` makes p1 ready again at once; the request must still move on.
+    let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    env.mocks[0].set_default(Some(Reply::status(429).with_header("retry-after", "0")));
+    let (status, h, _) = env.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&h, "x-spillgate-backend"), "p2");
+    assert_eq!(header(&h, "x-spillgate-attempts"), "2");
+    assert_eq!(env.hits(), vec![1, 1]);
+    // A later request tries p1 again: its cooldown is over.
+    assert_eq!(env.chat().await.0, 200);
+    assert_eq!(env.hits(), vec![2, 2]);
+}
