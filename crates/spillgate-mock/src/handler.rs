@@ -44,7 +44,30 @@ struct ApiRequest<'a> {
     body_len: usize,
 }
 
+/// Counts requests whose client went away before the response head was sent: the
+/// server drops this future when the connection closes, and the guard's `Drop` sees it.
 async fn api(shared: Arc<Shared>, req: Request<Incoming>) -> Response<MockBody> {
+    struct Abandoned {
+        shared: Arc<Shared>,
+        answered: bool,
+    }
+    impl Drop for Abandoned {
+        fn drop(&mut self) {
+            if !self.answered {
+                bump(&self.shared.counters.requests_abandoned);
+            }
+        }
+    }
+    let mut guard = Abandoned {
+        shared: Arc::clone(&shared),
+        answered: false,
+    };
+    let resp = api_inner(shared, req).await;
+    guard.answered = true;
+    resp
+}
+
+async fn api_inner(shared: Arc<Shared>, req: Request<Incoming>) -> Response<MockBody> {
     bump(&shared.counters.hits);
     let (parts, body) = req.into_parts();
     let body = match body.collect().await {

@@ -117,6 +117,12 @@ impl MockBackend {
         Shared::get(&self.shared.counters.streams_cancelled)
     }
 
+    /// API requests whose client disconnected before the response head was sent (e.g. a
+    /// gateway that cancelled an upstream request because its own client went away).
+    pub fn requests_abandoned(&self) -> u64 {
+        Shared::get(&self.shared.counters.requests_abandoned)
+    }
+
     /// Everything `GET /_mock/state` reports.
     pub fn state(&self) -> MockState {
         self.shared.state()

@@ -50,6 +50,9 @@ pub struct MockState {
     pub hits_429: u64,
     pub streams_completed: u64,
     pub streams_cancelled: u64,
+    /// API requests whose client disconnected before the response head was sent.
+    #[serde(default)]
+    pub requests_abandoned: u64,
     pub requests: Vec<RecordedRequest>,
 }
 
@@ -97,6 +100,7 @@ pub(crate) struct Counters {
     pub hits_429: AtomicU64,
     pub streams_completed: AtomicU64,
     pub streams_cancelled: AtomicU64,
+    pub requests_abandoned: AtomicU64,
 }
 
 impl Counters {
@@ -106,6 +110,7 @@ impl Counters {
             &self.hits_429,
             &self.streams_completed,
             &self.streams_cancelled,
+            &self.requests_abandoned,
         ] {
             c.store(0, Ordering::Relaxed);
         }
@@ -197,6 +202,7 @@ impl Shared {
             hits_429: Self::get(&self.counters.hits_429),
             streams_completed: Self::get(&self.counters.streams_completed),
             streams_cancelled: Self::get(&self.counters.streams_cancelled),
+            requests_abandoned: Self::get(&self.counters.requests_abandoned),
             requests: self.requests(),
         }
     }

@@ -186,8 +186,35 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
     };
 
     let fwd_headers = forward_headers(&parts.headers);
+    let mut guard = DisconnectGuard {
+        model: &req.model,
+        started,
+        answered: false,
+    };
     let outcome = attempt_loop(&app, &snap, pool, &parts.method, fwd_headers, &req, body).await;
+    guard.answered = true;
     finish(outcome, &req, &client, &snap, started, app.clock.now_ms())
+}
+
+/// Logs a request whose client went away before it was answered. hyper drops the handler
+/// future when the client disconnects, which also drops (and so cancels) the upstream
+/// request in flight; this guard's `Drop` is the only place that sees it happen.
+struct DisconnectGuard<'a> {
+    model: &'a str,
+    started: tokio::time::Instant,
+    answered: bool,
+}
+
+impl Drop for DisconnectGuard<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            tracing::info!(
+                model = %self.model,
+                waited_ms = self.started.elapsed().as_secs_f64() * 1000.0,
+                "client went away before the response; upstream request cancelled"
+            );
+        }
+    }
 }
 
 /// Reads the whole request body, refusing it with 413 before any upstream call when it is

@@ -798,3 +798,45 @@ async fn a_failed_backend_is_not_retried_for_the_same_request_even_when_ready() 
     assert_eq!(env.chat().await.0, 200);
     assert_eq!(env.hits(), vec![2, 2]);
 }
+
+#[tokio::test]
+async fn client_disconnect_while_waiting_for_headers_cancels_the_upstream_request() {
+    let logs = LogBuf::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let env = Env::start(vec![b("slow", 1)], "").await;
+    env.mocks[0].push_script(vec![Reply::status(200).with_delay_ms(5_000)]);
+    // A raw client that closes its socket once the backend has the request, as a browser
+    // tab or a killed process does.
+    let mut sock = tokio::net::TcpStream::connect(env.gw.addr).await.unwrap();
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\napi-key: {CLIENT_KEY}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{CHAT}",
+        CHAT.len()
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut sock, raw.as_bytes())
+        .await
+        .unwrap();
+    for _ in 0..100 {
+        if env.mocks[0].hits() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(env.mocks[0].hits(), 1);
+    drop(sock);
+    let mut seen = false;
+    for _ in 0..100 {
+        if String::from_utf8_lossy(&logs.0.lock().unwrap()).contains("client went away") {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        seen,
+        "the gateway noticed the disconnect and dropped the upstream request"
+    );
+}
