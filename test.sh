@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# The project's one test command: formatting, lints, build, Rust tests, a demo
+# smoke run and the end-to-end tests with the official OpenAI SDK.
+#
+# Works on a fresh Debian machine with Rust installed: missing system packages
+# (redis-server, python3-venv) are installed with apt-get, the Python tools go
+# into .venv. Exits non-zero on the first failure.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")"
+ROOT=$PWD
+
+START=$SECONDS
+STEP="setup"
+STEP_START=$SECONDS
+
+finish() {
+    local code=$?
+    local total=$((SECONDS - START))
+    echo
+    if [[ $code -eq 0 ]]; then
+        echo "test.sh: ALL CHECKS PASSED in ${total}s"
+    else
+        echo "test.sh: FAILED at step '${STEP}' (exit code ${code}) after ${total}s" >&2
+    fi
+}
+trap finish EXIT
+
+step() {
+    if [[ $STEP != "setup" ]]; then
+        echo "    (${STEP}: $((SECONDS - STEP_START))s)"
+    fi
+    STEP=$1
+    STEP_START=$SECONDS
+    echo
+    echo "==> ${STEP}"
+}
+
+# ---------------------------------------------------------------------------
+# System packages
+# ---------------------------------------------------------------------------
+
+APT_UPDATED=0
+apt_install() {
+    local sudo=()
+    if [[ $(id -u) -ne 0 ]]; then
+        if command -v sudo >/dev/null 2>&1; then
+            sudo=(sudo -n)
+        else
+            echo "error: need to install $*, but not running as root and sudo is not available" >&2
+            return 1
+        fi
+    fi
+    if ! command -v apt-get >/dev/null 2>&1; then
+        echo "error: need to install $*, but apt-get is not available; install it by hand" >&2
+        return 1
+    fi
+    if [[ $APT_UPDATED -eq 0 ]]; then
+        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq </dev/null
+        APT_UPDATED=1
+    fi
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" </dev/null
+}
+
+step "system packages"
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "redis-server not found; installing it"
+    apt_install redis-server
+fi
+echo "redis-server: $(command -v redis-server)"
+if ! command -v python3 >/dev/null 2>&1; then
+    echo "python3 not found; installing it"
+    apt_install python3 python3-venv
+fi
+echo "python3: $(command -v python3) ($(python3 --version 2>&1))"
+
+# ---------------------------------------------------------------------------
+# Python environment for the end-to-end tests
+# ---------------------------------------------------------------------------
+
+step "python venv (.venv)"
+VENV=$ROOT/.venv
+PY=$VENV/bin/python
+if [[ -d $VENV ]] && ! "$PY" -c 'import sys' >/dev/null 2>&1; then
+    echo ".venv exists but does not work; recreating it"
+    rm -rf "$VENV"
+fi
+if [[ ! -x $PY ]]; then
+    if ! python3 -m venv "$VENV"; then
+        # Debian ships venv (ensurepip) as a separate package.
+        rm -rf "$VENV"
+        echo "python3 -m venv failed; installing python3-venv"
+        apt_install python3-venv
+        python3 -m venv "$VENV"
+    fi
+fi
+if ! "$PY" -c 'import openai, pytest' >/dev/null 2>&1; then
+    "$PY" -m pip install -q --disable-pip-version-check openai pytest </dev/null
+fi
+"$PY" -c 'import openai, pytest; print(f"openai {openai.__version__}, pytest {pytest.__version__}")'
+
+# ---------------------------------------------------------------------------
+# Rust
+# ---------------------------------------------------------------------------
+
+if [[ ${CI:-} == true ]]; then
+    # A clean build that is thrown away: incremental artifacts only cost time.
+    export CARGO_INCREMENTAL=0
+fi
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+
+if command -v rustup >/dev/null 2>&1; then
+    missing=()
+    cargo fmt --version >/dev/null 2>&1 || missing+=(rustfmt)
+    cargo clippy --version >/dev/null 2>&1 || missing+=(clippy)
+    if [[ ${#missing[@]} -gt 0 ]]; then
+        step "rustup components"
+        rustup component add "${missing[@]}"
+    fi
+fi
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo build"
+cargo build --workspace --bins
+
+step "cargo test"
+LOGDIR=$(mktemp -d)
+cargo test --workspace 2>&1 | tee "$LOGDIR/cargo-test.log"
+
+TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+[[ $TARGET_DIR = /* ]] || TARGET_DIR=$ROOT/$TARGET_DIR
+export SPILLGATE_BIN=$TARGET_DIR/debug/spillgate
+export SPILLGATE_MOCK_BIN=$TARGET_DIR/debug/spillgate-mock
+
+# ---------------------------------------------------------------------------
+# End to end
+# ---------------------------------------------------------------------------
+
+step "demo smoke run"
+# --exit: stop when the load ends (without it the demo serves on until Ctrl-C).
+timeout 60 "$SPILLGATE_BIN" demo --load --exit --seconds 3 --listen 127.0.0.1:0 </dev/null
+
+step "pytest tests/python"
+"$PY" -m pytest tests/python -q </dev/null 2>&1 | tee "$LOGDIR/pytest.log"
+
+echo "    (${STEP}: $((SECONDS - STEP_START))s)"
+
+# One closing line for the whole run: the Rust and Python counts added up.
+rust_passed=$(grep -Eo 'test result: ok\. [0-9]+ passed' "$LOGDIR/cargo-test.log" | awk '{s += $4} END {print s + 0}')
+py_passed=$(grep -Eo '[0-9]+ passed' "$LOGDIR/pytest.log" | tail -n 1 | awk '{print $1 + 0}')
+echo
+echo "rust: ${rust_passed} passed, python: ${py_passed:-0} passed"
+echo "summary: $((rust_passed + ${py_passed:-0})) passed, 0 failed"
+rm -rf "$LOGDIR"
