@@ -153,6 +153,17 @@ pub enum AllCoolingPolicy {
     Wait,
 }
 
+impl AllCoolingPolicy {
+    /// The name as written in the config file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AllCoolingPolicy::Reject => "reject",
+            AllCoolingPolicy::ForwardFirst => "forward-first",
+            AllCoolingPolicy::Wait => "wait",
+        }
+    }
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileLog {

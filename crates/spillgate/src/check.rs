@@ -52,8 +52,8 @@ pub fn render(config: &Config) -> String {
     }
     let _ = writeln!(
         out,
-        "when all backends are cooling: {:?}; cooldown defaults 429={:?} 5xx={:?} connect={:?} max={:?}",
-        config.routing.when_all_cooling,
+        "when all backends are cooling: {}; cooldown defaults 429={:?} 5xx={:?} connect={:?} max={:?}",
+        config.routing.when_all_cooling.as_str(),
         config.cooldown.default_429,
         config.cooldown.default_5xx,
         config.cooldown.default_connect,
