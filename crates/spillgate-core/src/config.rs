@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::routing::RoutingTable;
+use crate::breaker::BreakerPolicy;
+use crate::retry::{AttemptResult, Backoff, Condition, ConditionSet};
+use crate::routing::{pool_from, pool_of_all, ModelPattern, Route, RoutingTable};
 
 /// One problem found in a config file, with the path of the field it is about.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +82,94 @@ pub struct FileConfig {
     pub log: FileLog,
     #[serde(default)]
     pub backends: Vec<FileBackend>,
+    #[serde(default)]
+    pub routes: Vec<FileRoute>,
+    /// The retry policy of routes that do not set their own (and of the implicit route).
+    pub retry: Option<FileRetry>,
+    /// The circuit breaker of backends that do not set their own. Off when absent.
+    pub circuit_breaker: Option<FileBreaker>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRoute {
+    pub name: Option<String>,
+    pub models: Vec<String>,
+    pub backends: Vec<FileRouteBackend>,
+    pub fallback: Option<Vec<String>>,
+    #[serde(default, with = "humantime_serde")]
+    pub deadline: Option<Duration>,
+    pub retry: Option<FileRetry>,
+}
+
+/// A pool member: a backend's name (with its own priority and weight), or a table that
+/// sets them for this route.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum FileRouteBackend {
+    Name(String),
+    Member(FileRouteMember),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRouteMember {
+    pub name: String,
+    pub priority: Option<i64>,
+    pub weight: Option<i64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRetry {
+    pub condition: Option<Vec<String>>,
+    pub count: Option<u64>,
+    pub per_backend: Option<u64>,
+    pub switch_on: Option<Vec<String>>,
+    #[serde(default, with = "humantime_serde")]
+    pub interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub max_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub delta: Option<Duration>,
+    pub first_fast_retry: Option<bool>,
+    pub budget: Option<FileBudget>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileBudget {
+    pub ratio: Option<f64>,
+    pub min_per_second: Option<u64>,
+    #[serde(default, with = "humantime_serde")]
+    pub window: Option<Duration>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileBreaker {
+    pub failures: Option<u64>,
+    pub ratio: Option<f64>,
+    pub min_requests: Option<u64>,
+    #[serde(default, with = "humantime_serde")]
+    pub window: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub trip: Option<Duration>,
+    pub accept_retry_after: Option<bool>,
+    pub condition: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileHealthCheck {
+    pub path: String,
+    pub method: Option<String>,
+    pub body: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    pub interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub timeout: Option<Duration>,
+    pub expect: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -129,6 +219,8 @@ pub struct FileCooldown {
     pub default_connect: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub max: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub max_jitter: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -138,6 +230,8 @@ pub struct FileRouting {
     #[serde(default, with = "humantime_serde")]
     pub max_wait: Option<Duration>,
     pub max_attempts: Option<u64>,
+    #[serde(default, with = "humantime_serde")]
+    pub deadline: Option<Duration>,
 }
 
 /// What to do when every backend that could serve a request is cooling down.
@@ -191,6 +285,8 @@ pub struct FileBackend {
     pub weight: Option<i64>,
     pub api_key: Option<String>,
     pub deployments: Option<BTreeMap<String, String>>,
+    pub circuit_breaker: Option<FileBreaker>,
+    pub health_check: Option<FileHealthCheck>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -282,6 +378,10 @@ pub struct CooldownPolicy {
     pub default_5xx: Duration,
     pub default_connect: Duration,
     pub max: Duration,
+    /// Cooldown ends are pushed back by a random 0-10% of the cooldown, at most this
+    /// much, so many requests (and gateway instances) do not return to a recovering
+    /// backend in the same millisecond.
+    pub max_jitter: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -290,6 +390,120 @@ pub struct RoutingPolicy {
     pub max_wait: Duration,
     /// Upper bound on upstream attempts for one request; `None` = one per backend.
     pub max_attempts: Option<u32>,
+    /// Default overall deadline for one request (all attempts and waits, until the
+    /// response headers); routes may set their own.
+    pub deadline: Option<Duration>,
+}
+
+/// Bounds on extra upstream attempts: `ratio` of recent requests plus `min_per_second`,
+/// over `window`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BudgetPolicy {
+    pub ratio: f64,
+    pub min_per_second: u32,
+    pub window: Duration,
+}
+
+impl Default for BudgetPolicy {
+    fn default() -> Self {
+        BudgetPolicy {
+            ratio: 0.2,
+            min_per_second: 5,
+            window: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A route's retry policy (APIM `retry` semantics; see `retry.rs` for the waiting rule).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    /// Outcomes that are retried at all; anything else goes back to the client.
+    pub condition: ConditionSet,
+    /// Most retries (attempts after the first) for one request.
+    pub count: u32,
+    /// Attempts on one backend before moving to the next.
+    pub per_backend: u32,
+    /// Outcomes that move to the next backend at once, whatever `per_backend` says.
+    pub switch_on: ConditionSet,
+    /// The wait between tries of the same backend. Moving to another backend never waits.
+    pub backoff: Backoff,
+    pub budget: BudgetPolicy,
+}
+
+impl Default for RetryPolicy {
+    /// The gateway's own behaviour: 429, 5xx and connect errors move at once to the next
+    /// backend, each backend tried once.
+    fn default() -> Self {
+        RetryPolicy {
+            condition: ConditionSet::default_failover(),
+            count: 1000,
+            per_backend: 1,
+            switch_on: ConditionSet(vec![Condition::Status(429)]),
+            backoff: Backoff::none(),
+            budget: BudgetPolicy::default(),
+        }
+    }
+}
+
+/// What to do after an attempt, by the retry policy alone (budget, deadline and which
+/// backends are left are the caller's to check).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// The outcome is not retried: it goes back to the client.
+    Return,
+    /// Retries are used up: stop.
+    GiveUp,
+    /// Try the same backend again after this wait.
+    RetrySame(Duration),
+    /// Move to the next backend, at once.
+    Switch,
+}
+
+impl RetryPolicy {
+    /// `tries_on_backend` counts attempts already made on this backend for this request
+    /// (at least 1); `retries_used` counts retries already made for the request. `hint`
+    /// is the backend's `Retry-After`, which lengthens the wait when it is longer.
+    /// `unit` is a uniform random draw in `[0, 1)`.
+    pub fn next(
+        &self,
+        result: AttemptResult,
+        hint: Option<Duration>,
+        tries_on_backend: u32,
+        retries_used: u32,
+        unit: f64,
+    ) -> Step {
+        if !self.condition.matches(result) {
+            return Step::Return;
+        }
+        if retries_used >= self.count {
+            return Step::GiveUp;
+        }
+        if self.switch_on.matches(result) || tries_on_backend >= self.per_backend {
+            return Step::Switch;
+        }
+        let wait = self.backoff.delay(tries_on_backend.saturating_sub(1), unit);
+        Step::RetrySame(hint.map_or(wait, |h| h.max(wait)))
+    }
+}
+
+/// A backend's circuit breaker: the rule plus what counts as a failure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BreakerConfig {
+    pub policy: BreakerPolicy,
+    pub condition: ConditionSet,
+}
+
+/// An active health check: a cheap request on an interval.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub method: String,
+    /// Appended to the backend's base URL (`/openai/models?api-version=...`).
+    pub path: String,
+    pub body: Option<String>,
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Statuses that count as healthy.
+    pub expect: ConditionSet,
 }
 
 #[derive(Debug, Clone)]
@@ -311,6 +525,8 @@ pub struct BackendConfig {
     /// Model name (what clients ask for) -> name on this backend. `None` = serves any
     /// model under its own name.
     pub deployments: Option<BTreeMap<String, String>>,
+    pub breaker: Option<BreakerConfig>,
+    pub health_check: Option<HealthCheck>,
 }
 
 impl BackendConfig {
@@ -347,6 +563,7 @@ impl Default for CooldownPolicy {
             default_5xx: Duration::from_secs(10),
             default_connect: Duration::from_secs(10),
             max: Duration::from_secs(300),
+            max_jitter: Duration::from_secs(1),
         }
     }
 }
@@ -357,6 +574,7 @@ impl Default for RoutingPolicy {
             when_all_cooling: AllCoolingPolicy::Reject,
             max_wait: Duration::from_secs(5),
             max_attempts: None,
+            deadline: None,
         }
     }
 }
@@ -533,6 +751,303 @@ fn validate_url(kind: BackendKind, raw: &str, path: &str, errors: &mut Errors) -
     Arc::from(base)
 }
 
+fn conditions(items: &[String], path: &str, errors: &mut Errors) -> ConditionSet {
+    match ConditionSet::parse(items) {
+        Ok(c) => c,
+        Err((i, e)) => {
+            errors.push(format!("{path}[{i}]"), e);
+            ConditionSet::default()
+        }
+    }
+}
+
+fn small_u32(
+    value: Option<u64>,
+    default: u32,
+    min: u32,
+    max: u32,
+    path: &str,
+    errors: &mut Errors,
+) -> u32 {
+    match value {
+        None => default,
+        Some(v) if v < u64::from(min) || v > u64::from(max) => {
+            errors.push(path, format!("must be between {min} and {max}, got {v}"));
+            default
+        }
+        Some(v) => u32::try_from(v).unwrap_or(default),
+    }
+}
+
+fn validate_retry(
+    file: Option<&FileRetry>,
+    inherited: &RetryPolicy,
+    path: &str,
+    errors: &mut Errors,
+) -> RetryPolicy {
+    let Some(r) = file else {
+        return inherited.clone();
+    };
+    let d = RetryPolicy::default();
+    let condition = r.condition.as_ref().map_or(d.condition.clone(), |c| {
+        conditions(c, &format!("{path}.condition"), errors)
+    });
+    let switch_on = r.switch_on.as_ref().map_or(d.switch_on.clone(), |c| {
+        conditions(c, &format!("{path}.switch_on"), errors)
+    });
+    let count = small_u32(r.count, d.count, 0, 1000, &format!("{path}.count"), errors);
+    let per_backend = small_u32(
+        r.per_backend,
+        d.per_backend,
+        1,
+        50,
+        &format!("{path}.per_backend"),
+        errors,
+    );
+    let backoff = if r.interval.is_none() && (r.delta.is_some() || r.max_interval.is_some()) {
+        errors.push(
+            format!("{path}.interval"),
+            "is required when delta or max_interval is set",
+        );
+        Backoff::none()
+    } else {
+        match Backoff::try_new(
+            r.interval.unwrap_or(Duration::ZERO),
+            r.delta,
+            r.max_interval,
+            r.first_fast_retry.unwrap_or(false),
+        ) {
+            Ok(b) => b,
+            Err(e) => {
+                errors.push(format!("{path}.max_interval"), e.to_string());
+                Backoff::none()
+            }
+        }
+    };
+    let budget = match &r.budget {
+        None => d.budget,
+        Some(b) => {
+            let bd = BudgetPolicy::default();
+            let ratio = b.ratio.unwrap_or(bd.ratio);
+            if !(0.0..=10.0).contains(&ratio) {
+                errors.push(
+                    format!("{path}.budget.ratio"),
+                    format!("must be between 0 and 10, got {ratio}"),
+                );
+            }
+            let window = b.window.unwrap_or(bd.window);
+            if window < Duration::from_secs(1) || window > Duration::from_secs(3600) {
+                errors.push(format!("{path}.budget.window"), "must be between 1s and 1h");
+            }
+            BudgetPolicy {
+                ratio,
+                min_per_second: small_u32(
+                    b.min_per_second,
+                    bd.min_per_second,
+                    0,
+                    100_000,
+                    &format!("{path}.budget.min_per_second"),
+                    errors,
+                ),
+                window,
+            }
+        }
+    };
+    RetryPolicy {
+        condition,
+        count,
+        per_backend,
+        switch_on,
+        backoff,
+        budget,
+    }
+}
+
+fn validate_breaker(b: &FileBreaker, path: &str, errors: &mut Errors) -> BreakerConfig {
+    let failures = small_u32(
+        b.failures,
+        0,
+        0,
+        100_000,
+        &format!("{path}.failures"),
+        errors,
+    );
+    if let Some(r) = b.ratio {
+        if !(r > 0.0 && r <= 1.0) {
+            errors.push(
+                format!("{path}.ratio"),
+                format!("must be above 0 and at most 1, got {r}"),
+            );
+        }
+    }
+    if failures == 0 && b.ratio.is_none() {
+        errors.push(
+            path,
+            "set failures (a count) or ratio (a share of requests), or both",
+        );
+    }
+    let window = b.window.unwrap_or(Duration::from_secs(10));
+    if window < Duration::from_secs(1) || window > Duration::from_secs(3600) {
+        errors.push(format!("{path}.window"), "must be between 1s and 1h");
+    }
+    let trip = b.trip.unwrap_or(Duration::from_secs(30));
+    if trip.is_zero() {
+        errors.push(format!("{path}.trip"), "must be greater than 0");
+    }
+    let condition = b.condition.as_ref().map_or_else(
+        || ConditionSet(vec![Condition::Class(5), Condition::ConnectError]),
+        |c| conditions(c, &format!("{path}.condition"), errors),
+    );
+    BreakerConfig {
+        policy: BreakerPolicy {
+            failures,
+            ratio: b.ratio,
+            min_requests: small_u32(
+                b.min_requests,
+                10,
+                1,
+                1_000_000,
+                &format!("{path}.min_requests"),
+                errors,
+            ),
+            window,
+            trip,
+            accept_retry_after: b.accept_retry_after.unwrap_or(true),
+        },
+        condition,
+    }
+}
+
+fn validate_health_check(h: &FileHealthCheck, path: &str, errors: &mut Errors) -> HealthCheck {
+    let method = h
+        .method
+        .clone()
+        .unwrap_or_else(|| "GET".to_string())
+        .to_ascii_uppercase();
+    if !matches!(method.as_str(), "GET" | "POST" | "HEAD") {
+        errors.push(
+            format!("{path}.method"),
+            format!("must be GET, POST or HEAD, got {method:?}"),
+        );
+    }
+    if !h.path.starts_with('/') || h.path.contains("://") || h.path.contains(['\r', '\n', ' ']) {
+        errors.push(
+            format!("{path}.path"),
+            "must be a path starting with '/', appended to the backend's url",
+        );
+    }
+    let interval = h.interval.unwrap_or(Duration::from_secs(30));
+    if interval < Duration::from_secs(1) {
+        errors.push(format!("{path}.interval"), "must be at least 1s");
+    }
+    let timeout = h.timeout.unwrap_or(Duration::from_secs(5));
+    if timeout.is_zero() {
+        errors.push(format!("{path}.timeout"), "must be greater than 0");
+    }
+    let expect = h.expect.as_ref().map_or_else(
+        || ConditionSet(vec![Condition::Class(2)]),
+        |c| conditions(c, &format!("{path}.expect"), errors),
+    );
+    HealthCheck {
+        method,
+        path: h.path.clone(),
+        body: h.body.clone(),
+        interval,
+        timeout,
+        expect,
+    }
+}
+
+fn validate_pattern(p: &str) -> bool {
+    let plain: String = p.chars().filter(|c| *c != '*' && *c != '?').collect();
+    !p.is_empty()
+        && p.len() <= 256
+        && (plain.is_empty() || plain.split('/').all(is_safe_name) || is_safe_name(&plain))
+}
+
+fn validate_routes(
+    routes: Vec<FileRoute>,
+    backends: &[BackendConfig],
+    default_retry: &RetryPolicy,
+    errors: &mut Errors,
+) -> Vec<Route> {
+    let mut out = Vec::with_capacity(routes.len());
+    for (i, r) in routes.into_iter().enumerate() {
+        let p = |f: &str| format!("routes[{i}].{f}");
+        if r.models.is_empty() {
+            errors.push(p("models"), "must list at least one model name or pattern");
+        }
+        let mut patterns = Vec::new();
+        for (j, m) in r.models.iter().enumerate() {
+            if validate_pattern(m) {
+                patterns.push(ModelPattern::parse(m));
+            } else {
+                errors.push(
+                    format!("routes[{i}].models[{j}]"),
+                    format!("{m:?} is not a model name or pattern (letters, digits, '-', '_', '.', ':', and '*' or '?')"),
+                );
+            }
+        }
+        if r.backends.is_empty() {
+            errors.push(p("backends"), "must list at least one backend");
+        }
+        let mut members = Vec::new();
+        for (j, m) in r.backends.iter().enumerate() {
+            let path = format!("routes[{i}].backends[{j}]");
+            let (name, priority, weight) = match m {
+                FileRouteBackend::Name(n) => (n.as_str(), None, None),
+                FileRouteBackend::Member(m) => (m.name.as_str(), m.priority, m.weight),
+            };
+            let Some(id) = backends.iter().position(|b| &*b.name == name) else {
+                errors.push(path, format!("no backend is named {name:?}"));
+                continue;
+            };
+            if members.iter().any(|(b, _, _)| *b == id) {
+                errors.push(
+                    path,
+                    format!("backend {name:?} is listed twice in this route"),
+                );
+                continue;
+            }
+            let priority = positive_u32(
+                priority,
+                backends[id].priority,
+                &format!("{path}.priority"),
+                errors,
+            );
+            let weight = positive_u32(
+                weight,
+                backends[id].weight,
+                &format!("{path}.weight"),
+                errors,
+            );
+            members.push((id, priority, weight));
+        }
+        let fallback = r.fallback.unwrap_or_default();
+        for (j, f) in fallback.iter().enumerate() {
+            if !is_safe_name(f) {
+                errors.push(
+                    format!("routes[{i}].fallback[{j}]"),
+                    format!("{f:?} is not a model name"),
+                );
+            }
+        }
+        if r.deadline.is_some_and(|d| d.is_zero()) {
+            errors.push(p("deadline"), "must be greater than 0");
+        }
+        let retry = validate_retry(r.retry.as_ref(), default_retry, &p("retry"), errors);
+        out.push(Route {
+            name: r.name.unwrap_or_else(|| format!("routes[{i}]")),
+            patterns,
+            pool: pool_from(&members),
+            fallback,
+            retry,
+            deadline: r.deadline,
+        });
+    }
+    out
+}
+
 fn validate(
     file: FileConfig,
     lookup_env: &dyn Fn(&str) -> Option<String>,
@@ -650,7 +1165,11 @@ fn validate(
         default_5xx: file.cooldown.default_5xx.unwrap_or(d.default_5xx),
         default_connect: file.cooldown.default_connect.unwrap_or(d.default_connect),
         max: file.cooldown.max.unwrap_or(d.max),
+        max_jitter: file.cooldown.max_jitter.unwrap_or(d.max_jitter),
     };
+    if cooldown.max_jitter > Duration::from_secs(60) {
+        errors.push("cooldown.max_jitter", "must be at most 60s");
+    }
     if cooldown.max.is_zero() {
         errors.push("cooldown.max", "must be greater than 0");
     }
@@ -685,7 +1204,21 @@ fn validate(
         when_all_cooling: file.routing.when_all_cooling.unwrap_or(d.when_all_cooling),
         max_wait: file.routing.max_wait.unwrap_or(d.max_wait),
         max_attempts,
+        deadline: file.routing.deadline,
     };
+    if routing.deadline.is_some_and(|d| d.is_zero()) {
+        errors.push("routing.deadline", "must be greater than 0");
+    }
+    let default_retry = validate_retry(
+        file.retry.as_ref(),
+        &RetryPolicy::default(),
+        "retry",
+        &mut errors,
+    );
+    let default_breaker = file
+        .circuit_breaker
+        .as_ref()
+        .map(|b| validate_breaker(b, "circuit_breaker", &mut errors));
     if routing.max_wait > Duration::from_secs(600) {
         errors.push("routing.max_wait", "must be at most 10m");
     }
@@ -760,6 +1293,14 @@ fn validate(
                 }
             }
         }
+        let breaker = match &b.circuit_breaker {
+            Some(cb) => Some(validate_breaker(cb, &p("circuit_breaker"), &mut errors)),
+            None => default_breaker.clone(),
+        };
+        let health_check = b
+            .health_check
+            .as_ref()
+            .map(|h| validate_health_check(h, &p("health_check"), &mut errors));
         backends.push(BackendConfig {
             name: Arc::from(b.name.as_str()),
             kind: b.kind,
@@ -768,13 +1309,42 @@ fn validate(
             weight,
             api_key,
             deployments: b.deployments,
+            breaker,
+            health_check,
         });
     }
 
+    let routes = if file.routes.is_empty() {
+        vec![Route {
+            name: "default".to_string(),
+            patterns: vec![ModelPattern::Glob("*".to_string())],
+            pool: pool_of_all(&backends),
+            fallback: Vec::new(),
+            retry: default_retry,
+            deadline: None,
+        }]
+    } else {
+        validate_routes(file.routes, &backends, &default_retry, &mut errors)
+    };
     if !errors.0.is_empty() {
         return Err(ConfigErrors(errors.0));
     }
-    let table = Arc::new(RoutingTable::build(&backends));
+    let table = RoutingTable::new(routes, &backends);
+    // Every fallback model must be served by some pool.
+    for (i, r) in table.routes.iter().enumerate() {
+        for (j, f) in r.fallback.iter().enumerate() {
+            if table.route_for(f, &backends).is_none() {
+                errors.push(
+                    format!("routes[{i}].fallback[{j}]"),
+                    format!("no route has a backend serving model {f:?}"),
+                );
+            }
+        }
+    }
+    if !errors.0.is_empty() {
+        return Err(ConfigErrors(errors.0));
+    }
+    let table = Arc::new(table);
     Ok(Config {
         server,
         auth,
@@ -1017,6 +1587,120 @@ url = "http://127.0.0.1:8000/v1/"
         assert!(
             m[0].starts_with("backends[0].deployments.gpt-4o: deployment name may contain only"),
             "{m:?}"
+        );
+    }
+
+    const ROUTES: &str = r#"
+[retry]
+count = 2
+
+[[routes]]
+name = "turbo-16k-on-ptu"
+models = ["gpt-35-turbo-16k"]
+backends = [{ name = "ptu-eastus", priority = 1 }, { name = "paygo-canada", priority = 2 }]
+
+[[routes]]
+models = ["gpt-4o*"]
+backends = ["ptu-eastus", "paygo-canada"]
+fallback = ["gpt-35-turbo-16k"]
+deadline = "60s"
+[routes.retry]
+condition = [">=300"]
+count = 8
+per_backend = 3
+switch_on = ["429"]
+interval = "1s"
+max_interval = "10s"
+delta = "1s"
+
+[[routes]]
+models = ["*"]
+backends = [{ name = "paygo-canada", weight = 3 }]
+
+[circuit_breaker]
+failures = 5
+window = "10s"
+trip = "30s"
+"#;
+
+    #[test]
+    fn routes_retry_and_breaker_load() {
+        let text = format!(
+            "{}\n{ROUTES}",
+            EXAMPLE.replace("deployments = { \"gpt-4o\" = \"gpt4o-ptu\" }", "")
+        );
+        let c = load_with(&text).unwrap();
+        let t = &c.table;
+        assert_eq!(t.routes.len(), 3);
+        assert_eq!(t.routes[0].name, "turbo-16k-on-ptu");
+        assert_eq!(t.routes[1].name, "routes[1]");
+        assert_eq!(t.route_for("gpt-35-turbo-16k", &c.backends), Some(0));
+        assert_eq!(t.route_for("gpt-4o-mini", &c.backends), Some(1));
+        assert_eq!(t.route_for("ada", &c.backends), Some(2));
+        // Routes without a retry block inherit [retry]; the top-level block inherits defaults.
+        assert_eq!(t.routes[0].retry.count, 2);
+        assert_eq!(t.routes[0].retry.per_backend, 1);
+        let r = &t.routes[1].retry;
+        assert_eq!((r.count, r.per_backend), (8, 3));
+        assert!(r.condition.matches(AttemptResult::Status(400)));
+        assert_eq!(r.backoff.delay(1, 0.5), Duration::from_secs(2));
+        assert_eq!(t.routes[1].deadline, Some(Duration::from_secs(60)));
+        assert_eq!(t.routes[2].pool.tiers[0].members, vec![(1, 3)]);
+        let b = c.backends[0].breaker.as_ref().unwrap();
+        assert_eq!(b.policy.failures, 5);
+        assert!(b.condition.matches(AttemptResult::Status(502)));
+        assert!(!b.condition.matches(AttemptResult::Status(429)));
+    }
+
+    #[test]
+    fn route_errors_name_their_paths() {
+        let text = format!(
+            "{EXAMPLE}\n{}",
+            ROUTES
+                .replace(
+                    "name = \"paygo-canada\", weight = 3",
+                    "name = \"paygo-canda\""
+                )
+                .replace(
+                    "condition = [\">=300\"]",
+                    "condition = [\">=300\", \"6xx\"]"
+                )
+                .replace("max_interval = \"10s\"", "max_interval = \"500ms\"")
+                .replace(
+                    "fallback = [\"gpt-35-turbo-16k\"]",
+                    "fallback = [\"gpt-9\"]"
+                )
+                .replace("failures = 5", "failures = 0")
+        );
+        let m = messages(&text);
+        let expect = [
+            "routes[2].backends[0]: no backend is named \"paygo-canda\"",
+            "routes[1].retry.condition[1]: \"6xx\" is not a condition",
+            "routes[1].retry.max_interval: max_interval (500ms) must not be shorter than interval (1s)",
+            "circuit_breaker: set failures (a count) or ratio",
+        ];
+        for e in expect {
+            assert!(
+                m.iter().any(|x| x.starts_with(e)),
+                "missing {e:?} in {m:#?}"
+            );
+        }
+        // Fallbacks are checked once the routes themselves are valid.
+        let text = format!(
+            "{EXAMPLE}\n{}",
+            ROUTES
+                .replace(
+                    "fallback = [\"gpt-35-turbo-16k\"]",
+                    "fallback = [\"gpt-9\"]"
+                )
+                .replace("models = [\"*\"]", "models = [\"ada*\"]")
+        );
+        let m = messages(&text);
+        assert!(
+            m.iter().any(|x| x.starts_with(
+                "routes[1].fallback[0]: no route has a backend serving model \"gpt-9\""
+            )),
+            "{m:#?}"
         );
     }
 

@@ -4,9 +4,11 @@
 //! Time (`now`, unix milliseconds) and randomness (a seeded [`fastrand::Rng`]) are
 //! parameters, so every rule here is a plain unit test.
 
+pub mod breaker;
 pub mod config;
 pub mod outcome;
 pub mod request;
+pub mod retry;
 pub mod routing;
 
 pub use fastrand;

@@ -52,6 +52,10 @@ pub enum CoolReason {
     Throttled,
     ServerError,
     ConnectError,
+    /// The circuit breaker tripped: too many failures in its window.
+    Tripped,
+    /// An active health check failed.
+    Health,
 }
 
 impl CoolReason {
@@ -69,6 +73,8 @@ impl CoolReason {
             CoolReason::Throttled => "429",
             CoolReason::ServerError => "5xx",
             CoolReason::ConnectError => "connect",
+            CoolReason::Tripped => "tripped",
+            CoolReason::Health => "health",
         }
     }
 
@@ -77,6 +83,8 @@ impl CoolReason {
             CoolReason::Throttled => 1,
             CoolReason::ServerError => 2,
             CoolReason::ConnectError => 3,
+            CoolReason::Tripped => 4,
+            CoolReason::Health => 5,
         }
     }
 
@@ -85,6 +93,8 @@ impl CoolReason {
             1 => Some(CoolReason::Throttled),
             2 => Some(CoolReason::ServerError),
             3 => Some(CoolReason::ConnectError),
+            4 => Some(CoolReason::Tripped),
+            5 => Some(CoolReason::Health),
             _ => None,
         }
     }
@@ -165,7 +175,9 @@ pub fn cooldown_duration(
     let default = match reason {
         CoolReason::Throttled => policy.default_429,
         CoolReason::ServerError => policy.default_5xx,
-        CoolReason::ConnectError => policy.default_connect,
+        CoolReason::ConnectError | CoolReason::Tripped | CoolReason::Health => {
+            policy.default_connect
+        }
     };
     hint.unwrap_or(default).min(policy.max)
 }

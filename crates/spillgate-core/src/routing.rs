@@ -101,58 +101,168 @@ impl Pool {
     }
 }
 
-/// Pools per model name, plus the pool for models no backend names explicitly.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct RoutingTable {
-    /// Models named in some backend's `deployments`.
-    pub by_model: BTreeMap<String, Pool>,
-    /// Backends without a `deployments` map: they serve any model under its own name.
-    pub any_model: Pool,
+/// How a route names the models it serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelPattern {
+    Exact(String),
+    /// `*` matches any run of characters, `?` any one character.
+    Glob(String),
 }
 
-impl RoutingTable {
-    pub fn build(backends: &[BackendConfig]) -> RoutingTable {
-        let mut models: Vec<&str> = backends
-            .iter()
-            .filter_map(|b| b.deployments.as_ref())
-            .flat_map(|m| m.keys().map(String::as_str))
-            .collect();
-        models.sort_unstable();
-        models.dedup();
-        let by_model = models
-            .into_iter()
-            .map(|model| {
-                let ids =
-                    (0..backends.len()).filter(|&id| backends[id].deployment_for(model).is_some());
-                (model.to_string(), Pool::from_members(backends, ids))
-            })
-            .collect();
-        let any_model = Pool::from_members(
-            backends,
-            (0..backends.len()).filter(|&id| backends[id].deployments.is_none()),
-        );
-        RoutingTable {
-            by_model,
-            any_model,
+impl ModelPattern {
+    pub fn parse(s: &str) -> ModelPattern {
+        if s.contains(['*', '?']) {
+            ModelPattern::Glob(s.to_string())
+        } else {
+            ModelPattern::Exact(s.to_string())
         }
     }
 
-    /// The pool serving `model`, or `None` when no backend serves it.
-    pub fn pool(&self, model: &str) -> Option<&Pool> {
-        let pool = self.by_model.get(model).unwrap_or(&self.any_model);
-        (!pool.is_empty()).then_some(pool)
+    pub fn matches(&self, model: &str) -> bool {
+        match self {
+            ModelPattern::Exact(m) => m == model,
+            ModelPattern::Glob(g) => glob_match(g.as_bytes(), model.as_bytes()),
+        }
     }
 
-    /// Model names clients can list (`GET /v1/models`).
+    pub fn as_str(&self) -> &str {
+        match self {
+            ModelPattern::Exact(s) | ModelPattern::Glob(s) => s,
+        }
+    }
+}
+
+/// Iterative glob matcher with single-star backtracking: linear in practice, no
+/// recursion, so a hostile model name cannot blow the stack.
+fn glob_match(pattern: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if p < pattern.len() && (pattern[p] == b'?' || pattern[p] == text[t]) {
+            p += 1;
+            t += 1;
+        } else if p < pattern.len() && pattern[p] == b'*' {
+            star = Some((p, t));
+            p += 1;
+        } else if let Some((sp, st)) = star {
+            p = sp + 1;
+            t = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    pattern[p..].iter().all(|c| *c == b'*')
+}
+
+/// Index of a route in [`RoutingTable::routes`].
+pub type RouteId = usize;
+
+/// Models matched by a route, the pool that serves them, and the route's policies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    pub name: String,
+    pub patterns: Vec<ModelPattern>,
+    pub pool: Pool,
+    /// Models to try, in order, when this route's pool has no backend left.
+    pub fallback: Vec<String>,
+    pub retry: crate::config::RetryPolicy,
+    pub deadline: Option<std::time::Duration>,
+}
+
+/// Which route serves which model.
+///
+/// Without `[[routes]]` in the config there is one implicit route: every backend, with
+/// each backend's own priority and weight, for any model a backend serves. With routes, a
+/// model is served by the first route with an exact match, else the first route (in
+/// config order) with a matching glob, else by nobody.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RoutingTable {
+    pub routes: Vec<Route>,
+    exact: BTreeMap<String, RouteId>,
+    globs: Vec<(ModelPattern, RouteId)>,
+    /// Model names to list in `GET /v1/models`.
+    listed: Vec<String>,
+}
+
+impl RoutingTable {
+    pub fn new(routes: Vec<Route>, backends: &[BackendConfig]) -> RoutingTable {
+        let mut exact = BTreeMap::new();
+        let mut globs = Vec::new();
+        for (id, r) in routes.iter().enumerate() {
+            for p in &r.patterns {
+                match p {
+                    ModelPattern::Exact(m) => {
+                        exact.entry(m.clone()).or_insert(id);
+                    }
+                    ModelPattern::Glob(_) => globs.push((p.clone(), id)),
+                }
+            }
+        }
+        let mut listed: Vec<String> = backends
+            .iter()
+            .filter_map(|b| b.deployments.as_ref())
+            .flat_map(|m| m.keys().cloned())
+            .chain(exact.keys().cloned())
+            .collect();
+        listed.sort_unstable();
+        listed.dedup();
+        RoutingTable {
+            routes,
+            exact,
+            globs,
+            listed,
+        }
+    }
+
+    /// The route for `model`, if its pool has a backend that serves the model.
+    pub fn route_for(&self, model: &str, backends: &[BackendConfig]) -> Option<RouteId> {
+        let id = self.exact.get(model).copied().or_else(|| {
+            self.globs
+                .iter()
+                .find(|(p, _)| p.matches(model))
+                .map(|(_, id)| *id)
+        })?;
+        self.routes[id]
+            .pool
+            .members()
+            .any(|b| backends[b].deployment_for(model).is_some())
+            .then_some(id)
+    }
+
+    /// Model names clients can list (`GET /v1/models`): names in backends' `deployments`
+    /// and exact names in routes.
     pub fn model_names(&self) -> impl Iterator<Item = &str> {
-        self.by_model.keys().map(String::as_str)
+        self.listed.iter().map(String::as_str)
+    }
+}
+
+/// The pool of the implicit route: every backend with its own priority and weight.
+pub fn pool_of_all(backends: &[BackendConfig]) -> Pool {
+    Pool::from_members(backends, 0..backends.len())
+}
+
+/// A pool from explicit `(backend, priority, weight)` members.
+pub fn pool_from(members: &[(BackendId, u32, u32)]) -> Pool {
+    let mut by_priority: BTreeMap<u32, Vec<(BackendId, u32)>> = BTreeMap::new();
+    for (id, priority, weight) in members {
+        by_priority
+            .entry(*priority)
+            .or_default()
+            .push((*id, *weight));
+    }
+    Pool {
+        tiers: by_priority
+            .into_iter()
+            .map(|(priority, members)| Tier { priority, members })
+            .collect(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{BackendKind, Secret};
+    use crate::config::{BackendKind, RetryPolicy, Secret};
     use proptest::prelude::*;
     use std::sync::Arc;
 
@@ -174,28 +284,73 @@ mod tests {
                     .map(|(a, b)| (a.to_string(), b.to_string()))
                     .collect()
             }),
+            breaker: None,
+            health_check: None,
+        }
+    }
+
+    fn route(name: &str, models: &[&str], members: &[(BackendId, u32, u32)]) -> Route {
+        Route {
+            name: name.to_string(),
+            patterns: models.iter().map(|m| ModelPattern::parse(m)).collect(),
+            pool: pool_from(members),
+            fallback: Vec::new(),
+            retry: RetryPolicy::default(),
+            deadline: None,
         }
     }
 
     #[test]
-    fn pools_group_by_model_and_priority() {
+    fn globs() {
+        let g = |p: &str, t: &str| ModelPattern::parse(p).matches(t);
+        assert!(g("gpt-4o*", "gpt-4o"));
+        assert!(g("gpt-4o*", "gpt-4o-mini"));
+        assert!(!g("gpt-4o*", "gpt-4"));
+        assert!(g("*", "anything"));
+        assert!(g("gpt-?o", "gpt-4o"));
+        assert!(g("*-mini", "gpt-4o-mini"));
+        assert!(g("a*b*c", "aXXbYYc"));
+        assert!(!g("a*b*c", "aXXbYY"));
+        assert!(g("gpt-35-turbo-16k", "gpt-35-turbo-16k"));
+        assert!(!g("gpt-35-turbo-16k", "gpt-35-turbo"));
+        // Pathological input stays fast (no exponential backtracking).
+        let long = "a".repeat(10_000);
+        assert!(!g("*a*a*a*a*a*b", &long));
+    }
+
+    #[test]
+    fn exact_beats_glob_and_first_glob_wins() {
+        let bs = vec![backend("ptu", 1, 1, None), backend("paygo", 2, 1, None)];
+        let t = RoutingTable::new(
+            vec![
+                route("everything", &["*"], &[(1, 1, 1)]),
+                route("turbo16k", &["gpt-35-turbo-16k"], &[(0, 1, 1), (1, 2, 1)]),
+                route("four", &["gpt-4o*"], &[(0, 1, 1)]),
+            ],
+            &bs,
+        );
+        assert_eq!(t.route_for("gpt-35-turbo-16k", &bs), Some(1));
+        assert_eq!(
+            t.route_for("gpt-4o", &bs),
+            Some(0),
+            "the first matching glob wins"
+        );
+        assert_eq!(t.route_for("whatever", &bs), Some(0));
+        assert_eq!(
+            t.model_names().collect::<Vec<_>>(),
+            vec!["gpt-35-turbo-16k"]
+        );
+    }
+
+    #[test]
+    fn a_route_only_serves_models_its_backends_have() {
         let bs = vec![
             backend("ptu", 1, 1, Some(&[("gpt-4o", "gpt4o-ptu")])),
-            backend("paygo-a", 2, 1, None),
-            backend("paygo-b", 2, 3, None),
-            backend("mini-only", 1, 1, Some(&[("gpt-4o-mini", "mini")])),
+            backend("mini", 1, 1, Some(&[("gpt-4o-mini", "mini")])),
         ];
-        let t = RoutingTable::build(&bs);
-        let p = t.pool("gpt-4o").unwrap();
-        assert_eq!(p.tiers.len(), 2);
-        assert_eq!(p.tiers[0].members, vec![(0, 1)]);
-        assert_eq!(p.tiers[1].members, vec![(1, 1), (2, 3)]);
-        let p = t.pool("other").unwrap();
-        assert_eq!(p.members().collect::<Vec<_>>(), vec![1, 2]);
-        assert_eq!(
-            t.pool("gpt-4o-mini").unwrap().members().collect::<Vec<_>>(),
-            vec![3, 1, 2]
-        );
+        let t = RoutingTable::new(vec![route("all", &["*"], &[(0, 1, 1), (1, 1, 1)])], &bs);
+        assert_eq!(t.route_for("gpt-4o", &bs), Some(0));
+        assert_eq!(t.route_for("gpt-5", &bs), None);
         assert_eq!(
             t.model_names().collect::<Vec<_>>(),
             vec!["gpt-4o", "gpt-4o-mini"]
@@ -203,11 +358,25 @@ mod tests {
     }
 
     #[test]
-    fn unknown_model_has_no_pool_when_every_backend_has_a_map() {
-        let bs = vec![backend("ptu", 1, 1, Some(&[("gpt-4o", "d")]))];
-        let t = RoutingTable::build(&bs);
-        assert!(t.pool("gpt-4o").is_some());
-        assert!(t.pool("gpt-5").is_none());
+    fn pools_group_members_by_priority() {
+        let p = pool_from(&[(0, 2, 1), (1, 1, 5), (2, 2, 3)]);
+        assert_eq!(p.tiers.len(), 2);
+        assert_eq!(
+            p.tiers[0],
+            Tier {
+                priority: 1,
+                members: vec![(1, 5)]
+            }
+        );
+        assert_eq!(
+            p.tiers[1],
+            Tier {
+                priority: 2,
+                members: vec![(0, 1), (2, 3)]
+            }
+        );
+        assert_eq!(p.members().collect::<Vec<_>>(), vec![1, 0, 2]);
+        assert_eq!(p.len(), 3);
     }
 
     #[test]
@@ -217,8 +386,7 @@ mod tests {
             backend("p2a", 2, 1, None),
             backend("p2b", 2, 1, None),
         ];
-        let t = RoutingTable::build(&bs);
-        let pool = t.pool("m").unwrap();
+        let pool = pool_of_all(&bs);
         let mut rng = fastrand::Rng::with_seed(7);
         for _ in 0..100 {
             assert_eq!(pool.select(|_| true, &mut rng), Some(0));
@@ -234,8 +402,7 @@ mod tests {
     #[test]
     fn weights_split_traffic() {
         let bs = vec![backend("a", 1, 1, None), backend("b", 1, 3, None)];
-        let t = RoutingTable::build(&bs);
-        let pool = t.pool("m").unwrap();
+        let pool = pool_of_all(&bs);
         let mut rng = fastrand::Rng::with_seed(1);
         let n = 40_000;
         let b = (0..n)
@@ -262,8 +429,7 @@ mod tests {
         /// higher tier has a ready backend.
         #[test]
         fn selection_respects_readiness_and_tiers((bs, ready) in arb_pool(), seed in any::<u64>()) {
-            let t = RoutingTable::build(&bs);
-            let pool = t.pool("m").unwrap();
+            let pool = pool_of_all(&bs);
             let mut rng = fastrand::Rng::with_seed(seed);
             let chosen = pool.select(|id| ready[id], &mut rng);
             match chosen {
@@ -280,8 +446,7 @@ mod tests {
         #[test]
         fn weight_split_holds(weights in prop::collection::vec(1u32..8, 2..5), seed in any::<u64>()) {
             let bs: Vec<_> = weights.iter().enumerate().map(|(i, w)| backend(&format!("b{i}"), 1, *w, None)).collect();
-            let t = RoutingTable::build(&bs);
-            let pool = t.pool("m").unwrap();
+            let pool = pool_of_all(&bs);
             let mut rng = fastrand::Rng::with_seed(seed);
             let n = 20_000usize;
             let mut counts = vec![0usize; bs.len()];
@@ -294,6 +459,11 @@ mod tests {
                 let got = counts[i] as f64 / n as f64;
                 prop_assert!((expected - got).abs() < 0.03, "backend {} expected {} got {}", i, expected, got);
             }
+        }
+
+        #[test]
+        fn glob_never_panics(p in "[a-z*?-]{0,12}", t in "[a-z-]{0,30}") {
+            let _ = ModelPattern::parse(&p).matches(&t);
         }
     }
 }

@@ -6,17 +6,18 @@
 //! string building for it. The snapshot sits behind `ArcSwap`: requests read it without a
 //! lock, and a reload can swap it while in-flight requests finish on the old one.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
 use http::uri::{Authority, Scheme};
 use http::{HeaderName, HeaderValue};
 use spillgate_core::config::{AuthConfig, BackendConfig, BackendKind, Config};
+use spillgate_core::retry::RetryBudget;
 
 use crate::auth::ClientKeys;
 use crate::state::{BackendState, Clock};
-use crate::upstream::UpstreamClient;
+use crate::upstream::{Upstream, UpstreamClient};
 
 /// One backend, ready for the request path.
 #[derive(Debug)]
@@ -29,6 +30,8 @@ pub struct BackendRt {
     /// The credential header this backend expects, marked sensitive so it is never
     /// printed by `Debug` or HPACK-indexed.
     pub credential: Option<(HeaderName, HeaderValue)>,
+    /// `x-spillgate-backend` value, built once.
+    pub name_header: HeaderValue,
     pub state: Arc<BackendState>,
 }
 
@@ -66,15 +69,25 @@ impl BackendRt {
                 Some((name, value))
             }
         };
+        let name_header = HeaderValue::from_str(&cfg.name).map_err(|_| {
+            anyhow::anyhow!("backend {}: name is not a valid header value", cfg.name)
+        })?;
         Ok(BackendRt {
             cfg,
             scheme,
             authority,
             base_path,
             credential,
+            name_header,
             state,
         })
     }
+}
+
+/// Live state of one route: its retry budget.
+#[derive(Debug)]
+pub struct RouteRt {
+    pub budget: Mutex<RetryBudget>,
 }
 
 /// An immutable view of one loaded config.
@@ -82,6 +95,8 @@ impl BackendRt {
 pub struct Snapshot {
     pub config: Config,
     pub backends: Vec<BackendRt>,
+    /// Per route of `config.table.routes`, same order.
+    pub routes: Vec<RouteRt>,
     pub client_keys: ClientKeys,
 }
 
@@ -96,7 +111,11 @@ impl Snapshot {
                 let state = previous
                     .and_then(|p| p.backends.iter().find(|o| o.cfg.name == b.name))
                     .map(|o| Arc::clone(&o.state))
-                    .unwrap_or_default();
+                    .unwrap_or_else(|| {
+                        Arc::new(BackendState::new(
+                            b.breaker.as_ref().map(|c| c.policy.window),
+                        ))
+                    });
                 BackendRt::new(b.clone(), state)
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
@@ -104,9 +123,21 @@ impl Snapshot {
             AuthConfig::None => ClientKeys::none(),
             AuthConfig::Keys(keys) => ClientKeys::new(keys),
         };
+        let routes = config
+            .table
+            .routes
+            .iter()
+            .map(|r| {
+                let b = r.retry.budget;
+                RouteRt {
+                    budget: Mutex::new(RetryBudget::new(b.ratio, b.min_per_second, b.window)),
+                }
+            })
+            .collect();
         Ok(Snapshot {
             config,
             backends,
+            routes,
             client_keys,
         })
     }
@@ -115,17 +146,23 @@ impl Snapshot {
 /// Everything the request handlers share.
 pub struct App {
     pub snapshot: ArcSwap<Snapshot>,
-    pub client: UpstreamClient,
+    pub upstream: Arc<dyn Upstream>,
     pub clock: Clock,
 }
 
 impl App {
+    /// The gateway with the real HTTP client.
     pub fn new(config: Config) -> anyhow::Result<Arc<App>> {
         let client = UpstreamClient::new(&config.timeouts);
+        Self::with_upstream(config, Arc::new(client))
+    }
+
+    /// The gateway sending through `upstream` (tests use in-memory backends).
+    pub fn with_upstream(config: Config, upstream: Arc<dyn Upstream>) -> anyhow::Result<Arc<App>> {
         let snapshot = Snapshot::build(config, None)?;
         Ok(Arc::new(App {
             snapshot: ArcSwap::from_pointee(snapshot),
-            client,
+            upstream,
             clock: Clock::new(),
         }))
     }

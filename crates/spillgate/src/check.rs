@@ -1,35 +1,72 @@
 //! `spillgate check`: validate a config and show the routing it resolves to, so an
 //! operator sees which backend serves which model, in which tier and with what share,
-//! before traffic does.
+//! under which retry policy, before traffic does.
 
 use std::fmt::Write;
 
-use spillgate_core::config::{AuthConfig, Config};
+use spillgate_core::config::{AuthConfig, BackendConfig, Config, RetryPolicy};
 use spillgate_core::routing::Pool;
 
-fn pool_lines(out: &mut String, config: &Config, model: &str, pool: &Pool) {
+fn pool_lines(out: &mut String, backends: &[BackendConfig], model: Option<&str>, pool: &Pool) {
     for tier in &pool.tiers {
-        let total: u32 = tier.members.iter().map(|(_, w)| *w).sum();
-        for (id, weight) in &tier.members {
-            let b = &config.backends[*id];
+        let members: Vec<_> = tier
+            .members
+            .iter()
+            .filter(|(id, _)| model.is_none_or(|m| backends[*id].deployment_for(m).is_some()))
+            .collect();
+        let total: u32 = members.iter().map(|(_, w)| *w).sum();
+        for (id, weight) in members {
+            let b = &backends[*id];
             let share = f64::from(*weight) * 100.0 / f64::from(total.max(1));
-            let deployment = b.deployment_for(model).unwrap_or(model);
+            let serves = match (model, &b.deployments) {
+                (Some(m), _) => format!("as {:?}", b.deployment_for(m).unwrap_or(m)),
+                (None, None) => "any model, under its own name".to_string(),
+                (None, Some(map)) => map
+                    .iter()
+                    .map(|(k, v)| format!("{k} as {v:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            };
             let _ = writeln!(
                 out,
-                "  priority {:<3} {:<24} weight {:<4} ({:>5.1}% of tier)  {} {}  as {:?}",
+                "    priority {:<3} {:<22} weight {:<4} ({:>5.1}% of tier)  {} {}  {serves}",
                 tier.priority,
                 b.name,
                 weight,
                 share,
                 b.kind.as_str(),
                 b.url,
-                deployment
             );
         }
     }
 }
 
-/// The routing table as text: one block per model, tiers in order.
+fn retry_line(r: &RetryPolicy) -> String {
+    let wait = if r.per_backend > 1 {
+        format!(
+            "{} tries per backend (waits from {:?}{}), moves on at once on {}",
+            r.per_backend,
+            r.backoff.interval(),
+            r.backoff
+                .max_interval()
+                .map_or(String::new(), |m| format!(" up to {m:?}")),
+            r.switch_on
+        )
+    } else {
+        "moves to the next backend at once".to_string()
+    };
+    format!(
+        "retry on {}: at most {} retries, {wait}; budget {:.0}% of requests + {}/s over {:?}",
+        r.condition,
+        r.count,
+        r.budget.ratio * 100.0,
+        r.budget.min_per_second,
+        r.budget.window
+    )
+}
+
+/// The routing table as text: routes with their policies and pools, then the models
+/// clients can list and where each goes.
 pub fn render(config: &Config) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "listen: {}", config.server.listen);
@@ -50,24 +87,83 @@ pub fn render(config: &Config) -> String {
             );
         }
     }
+    let c = &config.cooldown;
     let _ = writeln!(
         out,
         "when all backends are cooling: {}; cooldown defaults 429={:?} 5xx={:?} connect={:?} max={:?}",
         config.routing.when_all_cooling.as_str(),
-        config.cooldown.default_429,
-        config.cooldown.default_5xx,
-        config.cooldown.default_connect,
-        config.cooldown.max
+        c.default_429,
+        c.default_5xx,
+        c.default_connect,
+        c.max
     );
-    for (model, pool) in &config.table.by_model {
-        let _ = writeln!(out, "\nmodel {model:?}:");
-        pool_lines(&mut out, config, model, pool);
+    for b in &config.backends {
+        if let Some(br) = &b.breaker {
+            let _ = writeln!(
+                out,
+                "circuit breaker on {}: {} failures{} on {} within {:?} trip it for {:?}",
+                b.name,
+                br.policy.failures,
+                br.policy.ratio.map_or(String::new(), |r| format!(
+                    " (or {:.0}% of >= {} requests)",
+                    r * 100.0,
+                    br.policy.min_requests
+                )),
+                br.condition,
+                br.policy.window,
+                br.policy.trip
+            );
+        }
+        if let Some(h) = &b.health_check {
+            let _ = writeln!(
+                out,
+                "health check on {}: {} {} every {:?}",
+                b.name, h.method, h.path, h.interval
+            );
+        }
     }
-    if !config.table.any_model.is_empty() {
-        let _ = writeln!(out, "\nany other model (served under its own name):");
-        pool_lines(&mut out, config, "<model>", &config.table.any_model);
-    } else {
-        let _ = writeln!(out, "\nany other model: not served (404)");
+    let table = &config.table;
+    for r in &table.routes {
+        let patterns: Vec<&str> = r.patterns.iter().map(|p| p.as_str()).collect();
+        let _ = writeln!(
+            out,
+            "\nroute {:?} for models {}:",
+            r.name,
+            patterns.join(", ")
+        );
+        let _ = writeln!(out, "  {}", retry_line(&r.retry));
+        if !r.fallback.is_empty() {
+            let _ = writeln!(
+                out,
+                "  fallback when every backend is cooling: {}",
+                r.fallback.join(", ")
+            );
+        }
+        if let Some(d) = r.deadline.or(config.routing.deadline) {
+            let _ = writeln!(out, "  deadline: {d:?}");
+        }
+        pool_lines(&mut out, &config.backends, None, &r.pool);
+    }
+    let mut any = false;
+    for model in table.model_names() {
+        if !any {
+            let _ = writeln!(out, "\nmodels clients can list (GET /v1/models):");
+            any = true;
+        }
+        match table.route_for(model, &config.backends) {
+            Some(id) => {
+                let _ = writeln!(out, "  {model:?} -> route {:?}", table.routes[id].name);
+                pool_lines(
+                    &mut out,
+                    &config.backends,
+                    Some(model),
+                    &table.routes[id].pool,
+                );
+            }
+            None => {
+                let _ = writeln!(out, "  {model:?} -> no route serves it (404)");
+            }
+        }
     }
     out
 }

@@ -372,6 +372,7 @@ mod tests {
         let c = spillgate_core::config::load(&text, &|_| Some("k".into()), &|_| Err(String::new()))
             .unwrap();
         assert_eq!(c.backends.len(), 3);
-        assert_eq!(c.table.pool("gpt-4o").unwrap().tiers.len(), 2);
+        let route = c.table.route_for("gpt-4o", &c.backends).unwrap();
+        assert_eq!(c.table.routes[route].pool.tiers.len(), 2);
     }
 }

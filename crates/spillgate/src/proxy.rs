@@ -16,21 +16,24 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use spillgate_core::config::{AllCoolingPolicy, BackendKind};
+use spillgate_core::config::{AllCoolingPolicy, BackendKind, Step};
 use spillgate_core::outcome::{cooldown_duration, retry_hint, CoolReason, Cooldown, Outcome};
 use spillgate_core::request::{
     classify_path, inspect_body, set_model, upstream_target, ApiRoute, BodyError, BodyInfo,
     ClientShape, RequestParts,
 };
-use spillgate_core::routing::{BackendId, Pool};
+use spillgate_core::retry::{AttemptResult, BudgetState};
+use spillgate_core::routing::{BackendId, RouteId};
 use tower_http::timeout::TimeoutBody;
 
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::errors::GatewayError;
+use crate::state::{Probe, ProbeGuard};
 
 pub const HEADER_BACKEND: &str = "x-spillgate-backend";
 pub const HEADER_ATTEMPTS: &str = "x-spillgate-attempts";
+pub const HEADER_MODEL: &str = "x-spillgate-model";
 
 /// Connection-scoped headers (RFC 9110 §7.6.1) that a proxy must not forward.
 const HOP_BY_HOP: [&str; 8] = [
@@ -123,17 +126,26 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
     // Authenticate before reading the body: an unauthenticated client costs no buffering.
     let client = match &route {
         ApiRoute::NotFound => {
-            return GatewayError::not_found(format!("Unknown path `{path}`.")).into_response();
+            let resp = GatewayError::not_found(format!("Unknown path `{path}`.")).into_response();
+            return reject_unread(resp, &parts.headers, body).await;
         }
         _ => match snap.client_keys.authenticate(&parts.headers) {
             Some(c) => c,
-            None => return GatewayError::unauthorized().into_response(),
+            None => {
+                return reject_unread(
+                    GatewayError::unauthorized().into_response(),
+                    &parts.headers,
+                    body,
+                )
+                .await
+            }
         },
     };
     let (shape, deployment, operation) = match route {
         ApiRoute::ListModels => return list_models(&snap),
         ApiRoute::Invalid(why) => {
-            return GatewayError::bad_request("invalid_path", why).into_response()
+            let resp = GatewayError::bad_request("invalid_path", why).into_response();
+            return reject_unread(resp, &parts.headers, body).await;
         }
         ApiRoute::NotFound => return GatewayError::not_found("Unknown path.").into_response(),
         ApiRoute::Operation {
@@ -145,7 +157,13 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
 
     let body = match read_body(&parts.headers, body, snap.config.server.max_body_bytes).await {
         Ok(b) => b,
-        Err(e) => return e.into_response(),
+        Err(e) => {
+            // The rest of the body is not read: the connection cannot be reused.
+            let mut resp = e.into_response();
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return resp;
+        }
     };
 
     let (model, body_info) = match deployment {
@@ -171,7 +189,8 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         body_info,
     };
 
-    let Some(pool) = snap.config.table.pool(&req.model) else {
+    let table = &snap.config.table;
+    let Some(route_id) = table.route_for(&req.model, &snap.config.backends) else {
         tracing::info!(model = %req.model, client = client.name(), status = 404, "no backend serves this model");
         return GatewayError::new(
             StatusCode::NOT_FOUND,
@@ -191,9 +210,19 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         started,
         answered: false,
     };
-    let outcome = attempt_loop(&app, &snap, pool, &parts.method, fwd_headers, &req, body).await;
+    let ctx = Ctx {
+        app: &app,
+        snap: &snap,
+        method: &parts.method,
+        headers: fwd_headers,
+        req: &req,
+        body,
+        route_id,
+        started,
+    };
+    let outcome = attempt_loop(&ctx).await;
     guard.answered = true;
-    finish(outcome, &req, &client, &snap, started, app.clock.now_ms())
+    finish(outcome, &ctx, &client)
 }
 
 /// Logs a request whose client went away before it was answered. hyper drops the handler
@@ -215,6 +244,35 @@ impl Drop for DisconnectGuard<'_> {
             );
         }
     }
+}
+
+/// Largest unread body drained before an early answer; above it the connection is closed.
+const DRAIN_LIMIT: usize = 64 * 1024;
+
+/// Answers a request whose body was never read (401, unknown path). If the server closed
+/// the connection while the client was still sending, the kernel would reset it and the
+/// client could lose the answer; so a small body is read and dropped first (bounded in
+/// size and time), and a large one gets `Connection: close` instead.
+async fn reject_unread(mut resp: Response, headers: &HeaderMap, body: Body) -> Response {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > DRAIN_LIMIT as u64) {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return resp;
+    }
+    let drained = tokio::time::timeout(
+        Duration::from_secs(1),
+        Limited::new(body, DRAIN_LIMIT).collect(),
+    )
+    .await;
+    if !matches!(drained, Ok(Ok(_))) {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
 }
 
 /// Reads the whole request body, refusing it with 413 before any upstream call when it is
@@ -261,109 +319,238 @@ fn list_models(snap: &Snapshot) -> Response {
     resp
 }
 
+/// Everything one request's attempts share.
+struct Ctx<'a> {
+    app: &'a App,
+    snap: &'a Snapshot,
+    method: &'a Method,
+    headers: HeaderMap,
+    req: &'a Classified<'a>,
+    body: Bytes,
+    route_id: RouteId,
+    started: tokio::time::Instant,
+}
+
+/// A model to try and the route that serves it: the requested model first, then the
+/// route's fallbacks.
+#[derive(Clone, Copy)]
+struct Candidate<'a> {
+    model: &'a str,
+    route: RouteId,
+}
+
 /// How the attempts for one request ended.
 enum Ended {
     /// A backend's response, to stream to the client.
     Served {
         backend: BackendId,
+        model: usize,
         attempts: u32,
-        response: http::Response<hyper::body::Incoming>,
+        response: http::Response<Body>,
     },
     /// Nothing usable: every candidate failed, was tried, or is cooling down.
     Exhausted {
         attempts: u32,
         failures: Vec<Outcome>,
     },
+    /// The retry budget refused another attempt.
+    BudgetExhausted { attempts: u32, state: BudgetState },
+    /// The request's deadline passed before a response.
+    DeadlineExceeded { attempts: u32, deadline: Duration },
 }
 
-/// Tries backends in selection order until one answers with something other than 429,
-/// 5xx or a connect error. Never sleeps while a candidate is ready; never tries a backend
-/// twice for one request.
-async fn attempt_loop(
-    app: &App,
-    snap: &Snapshot,
-    pool: &Pool,
-    method: &Method,
-    headers: HeaderMap,
-    req: &Classified<'_>,
-    body: Bytes,
-) -> Ended {
-    let policy = snap.config.routing;
-    let max_attempts = policy
-        .max_attempts
-        .unwrap_or_else(|| u32::try_from(pool.len()).unwrap_or(u32::MAX));
+/// What to do next in the attempt loop.
+enum Next {
+    /// Select a backend (the first attempt, or moving on).
+    Select,
+    /// Try the same backend again after `wait`, keeping its probe slot if it holds one.
+    Same {
+        backend: BackendId,
+        model: usize,
+        tries: u32,
+        wait: Duration,
+        probe: Option<ProbeGuard>,
+    },
+}
+
+/// Picks the next backend over the candidate models in order: the requested model's pool
+/// first, then each fallback's. A recovering backend is taken only with its probe slot.
+fn select_backend(
+    ctx: &Ctx<'_>,
+    chain: &[Candidate<'_>],
+    tried: &[BackendId],
+    now: u64,
+    rng: &mut fastrand::Rng,
+) -> Option<(BackendId, usize, Option<ProbeGuard>)> {
+    let backends = &ctx.snap.backends;
+    let mut busy: Vec<BackendId> = Vec::new();
+    for (ci, c) in chain.iter().enumerate() {
+        let pool = &ctx.snap.config.table.routes[c.route].pool;
+        loop {
+            let pick = pool.select(
+                |id| {
+                    !tried.contains(&id)
+                        && !busy.contains(&id)
+                        && backends[id].cfg.deployment_for(c.model).is_some()
+                        && backends[id].state.is_usable(now)
+                },
+                rng,
+            );
+            let Some(id) = pick else { break };
+            match backends[id].state.acquire_probe() {
+                Probe::NotNeeded => return Some((id, ci, None)),
+                Probe::Acquired(guard) => return Some((id, ci, Some(guard))),
+                // Another request took the probe slot between the check and now.
+                Probe::Busy => busy.push(id),
+            }
+        }
+    }
+    None
+}
+
+/// Untried members serving their candidate model, over the whole chain.
+fn chain_members<'a>(
+    ctx: &'a Ctx<'_>,
+    chain: &'a [Candidate<'_>],
+    tried: &'a [BackendId],
+) -> impl Iterator<Item = (BackendId, usize)> + 'a {
+    chain.iter().enumerate().flat_map(move |(ci, c)| {
+        ctx.snap.config.table.routes[c.route]
+            .pool
+            .members()
+            .filter(move |id| {
+                !tried.contains(id) && ctx.snap.backends[*id].cfg.deployment_for(c.model).is_some()
+            })
+            .map(move |id| (id, ci))
+    })
+}
+
+/// Tries backends until one gives an answer the route's retry policy does not retry.
+/// Moving to another backend never waits; waiting happens only between tries of the same
+/// backend (per the retry policy), or for the soonest recovery under `wait`.
+async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
+    let snap = ctx.snap;
+    let app = ctx.app;
+    let table = &snap.config.table;
+    let route = &table.routes[ctx.route_id];
+    let policy = &route.retry;
+    let routing = snap.config.routing;
+    let chain: Vec<Candidate<'_>> = std::iter::once(Candidate {
+        model: &ctx.req.model,
+        route: ctx.route_id,
+    })
+    .chain(route.fallback.iter().filter_map(|f| {
+        table
+            .route_for(f, &snap.config.backends)
+            .map(|route| Candidate { model: f, route })
+    }))
+    .collect();
+    let deadline = route.deadline.or(routing.deadline);
+    let deadline_at = deadline.map(|d| ctx.started + d);
+    let max_attempts = routing.max_attempts.unwrap_or(u32::MAX);
+    let budget = &snap.routes[ctx.route_id].budget;
+    if let Ok(mut b) = budget.lock() {
+        b.deposit(app.clock.now_ms());
+    }
+
     let mut rng = fastrand::Rng::new();
     let mut tried: Vec<BackendId> = Vec::new();
     let mut failures: Vec<Outcome> = Vec::new();
+    let mut attempts: u32 = 0;
     let mut waited = Duration::ZERO;
     let mut lazy_body_info: Option<BodyInfo> = None;
+    let mut next = Next::Select;
 
     loop {
-        if tried.len() as u32 >= max_attempts {
-            return Ended::Exhausted {
-                attempts: tried.len() as u32,
-                failures,
-            };
+        let remaining =
+            deadline_at.map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
+        if let (Some(rem), Some(d)) = (remaining, deadline) {
+            if rem.is_zero() {
+                return Ended::DeadlineExceeded {
+                    attempts,
+                    deadline: d,
+                };
+            }
+        }
+        if attempts >= max_attempts {
+            return Ended::Exhausted { attempts, failures };
         }
         let now = app.clock.now_ms();
-        let untried = |id: BackendId| !tried.contains(&id);
-        let pick = pool.select(
-            |id| untried(id) && snap.backends[id].state.is_ready(now),
-            &mut rng,
-        );
-        let (id, forced) = match pick {
-            Some(id) => (id, false),
-            None => {
-                // Every untried candidate is cooling down (or none is left).
-                let soonest = pool
-                    .members()
-                    .filter(|id| untried(*id))
-                    .filter_map(|id| snap.backends[id].state.cooldown(now).map(|c| c.until_ms))
-                    .min();
-                match (policy.when_all_cooling, soonest) {
-                    (_, None) | (AllCoolingPolicy::Reject, _) => {
-                        return Ended::Exhausted {
-                            attempts: tried.len() as u32,
-                            failures,
+        let (id, ci, tries_before, _probe, forced) = match std::mem::replace(
+            &mut next,
+            Next::Select,
+        ) {
+            Next::Same {
+                backend,
+                model,
+                tries,
+                wait,
+                probe,
+            } => {
+                tokio::time::sleep(wait).await;
+                (backend, model, tries, probe, false)
+            }
+            Next::Select => match select_backend(ctx, &chain, &tried, now, &mut rng) {
+                Some((id, ci, probe)) => (id, ci, 0, probe, false),
+                None => {
+                    // Every untried candidate is cooling down (or none is left).
+                    let soonest = chain_members(ctx, &chain, &tried)
+                        .filter_map(|(id, _)| {
+                            snap.backends[id].state.cooldown(now).map(|c| c.until_ms)
+                        })
+                        .min();
+                    match (routing.when_all_cooling, soonest) {
+                        (_, None) | (AllCoolingPolicy::Reject, _) => {
+                            return Ended::Exhausted { attempts, failures }
                         }
-                    }
-                    (AllCoolingPolicy::Wait, Some(until)) => {
-                        let wait = Duration::from_millis(until.saturating_sub(now));
-                        if waited + wait > policy.max_wait {
-                            return Ended::Exhausted {
-                                attempts: tried.len() as u32,
-                                failures,
-                            };
+                        (AllCoolingPolicy::Wait, Some(until)) => {
+                            let wait = Duration::from_millis(until.saturating_sub(now));
+                            let within_deadline = remaining.is_none_or(|r| wait < r);
+                            if waited + wait > routing.max_wait || !within_deadline {
+                                return Ended::Exhausted { attempts, failures };
+                            }
+                            tracing::debug!(model = %ctx.req.model, wait_ms = wait.as_millis() as u64, "all candidates cooling; waiting for the soonest");
+                            tokio::time::sleep_until(app.clock.instant_at(until)).await;
+                            waited += wait;
+                            continue;
                         }
-                        tracing::debug!(model = %req.model, wait_ms = wait.as_millis() as u64, "all candidates cooling; waiting for the soonest");
-                        tokio::time::sleep_until(app.clock.instant_at(until)).await;
-                        waited += wait;
-                        continue;
-                    }
-                    (AllCoolingPolicy::ForwardFirst, Some(_)) => match pool.first(untried) {
-                        Some(id) => (id, true),
-                        None => {
-                            return Ended::Exhausted {
-                                attempts: tried.len() as u32,
-                                failures,
+                        (AllCoolingPolicy::ForwardFirst, Some(_)) => {
+                            match chain_members(ctx, &chain, &tried).next() {
+                                Some((id, ci)) => (id, ci, 0, None, true),
+                                None => return Ended::Exhausted { attempts, failures },
                             }
                         }
-                    },
+                    }
                 }
-            }
+            },
         };
-        tried.push(id);
-        let attempts = tried.len() as u32;
-        let backend = &snap.backends[id];
 
-        let upstream_req = match build_upstream_request(
-            backend,
-            method,
-            &headers,
-            req,
-            &body,
-            &mut lazy_body_info,
-        ) {
+        // Every attempt after the first is paid from the route's retry budget.
+        if attempts > 0 {
+            let granted = budget
+                .lock()
+                .map(|mut b| {
+                    let now = app.clock.now_ms();
+                    if b.try_withdraw(now) {
+                        Ok(())
+                    } else {
+                        Err(b.state(now))
+                    }
+                })
+                .unwrap_or(Ok(()));
+            if let Err(state) = granted {
+                tracing::warn!(model = %ctx.req.model, route = %route.name, budget = %state, "retry budget exhausted; no further attempts");
+                return Ended::BudgetExhausted { attempts, state };
+            }
+        }
+        attempts += 1;
+        if !tried.contains(&id) {
+            tried.push(id);
+        }
+        let backend = &snap.backends[id];
+        let model = chain[ci].model;
+
+        let upstream_req = match build_upstream_request(backend, model, ctx, &mut lazy_body_info) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(backend = %backend.cfg.name, error = %e, "could not build the upstream request");
@@ -371,50 +558,177 @@ async fn attempt_loop(
                 continue;
             }
         };
-        let result = app.client.send(upstream_req).await;
+        let timeout = remaining.map_or(snap.config.timeouts.first_byte, |r| {
+            r.min(snap.config.timeouts.first_byte)
+        });
+        let result = app.upstream.send(upstream_req, timeout).await;
         let now = app.clock.now_ms();
-        match result {
+        let (attempt, outcome, hint, response) = match result {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 backend.state.set_last_status(status);
-                let outcome = Outcome::from_status(status);
-                if let Some(reason) = CoolReason::from_outcome(outcome) {
-                    let hint =
-                        retry_hint(|n| resp.headers().get(n).and_then(|v| v.to_str().ok()), now);
-                    cool(
-                        backend,
-                        reason,
-                        hint,
-                        now,
-                        &snap.config.cooldown,
-                        Some(status),
-                    );
-                    if !forced {
-                        failures.push(outcome);
-                        continue;
-                    }
-                }
-                return Ended::Served {
-                    backend: id,
-                    attempts,
-                    response: resp,
-                };
+                let hint = retry_hint(|n| resp.headers().get(n).and_then(|v| v.to_str().ok()), now)
+                    .map(|h| h.min(snap.config.cooldown.max));
+                (
+                    AttemptResult::Status(status),
+                    Outcome::from_status(status),
+                    hint,
+                    Some(resp),
+                )
             }
             Err(e) => {
                 backend.state.set_last_status(0);
                 tracing::warn!(backend = %backend.cfg.name, error = %e, "upstream attempt failed");
+                (
+                    AttemptResult::ConnectError,
+                    Outcome::ConnectError,
+                    None,
+                    None,
+                )
+            }
+        };
+        record_breaker(backend, attempt, hint, now, &snap.config.cooldown, &mut rng);
+        if !outcome.fails_over() {
+            // It answered (a success or the client's own error): fully back.
+            backend.state.recovered();
+        }
+
+        let step = if forced {
+            Step::Return
+        } else {
+            policy.next(attempt, hint, tries_before + 1, attempts - 1, rng.f64())
+        };
+        // A backend retried for this same request is not cooled yet: it is cooled when the
+        // request gives up on it.
+        if !matches!(step, Step::RetrySame(_)) {
+            if let Some(reason) = CoolReason::from_outcome(outcome) {
                 cool(
                     backend,
-                    CoolReason::ConnectError,
-                    None,
+                    reason,
+                    hint,
                     now,
                     &snap.config.cooldown,
-                    None,
+                    response.as_ref().map(|r| r.status().as_u16()),
+                    &mut rng,
                 );
-                failures.push(Outcome::ConnectError);
+            }
+        }
+        match step {
+            Step::Return | Step::GiveUp => match response {
+                Some(response) if step == Step::Return || !outcome.fails_over() => {
+                    return Ended::Served {
+                        backend: id,
+                        model: ci,
+                        attempts,
+                        response,
+                    }
+                }
+                Some(response) => {
+                    // Retries used up on a 429/5xx: the backend's own answer goes back,
+                    // as APIM's retry policy returns its last response.
+                    return Ended::Served {
+                        backend: id,
+                        model: ci,
+                        attempts,
+                        response,
+                    };
+                }
+                None => {
+                    failures.push(outcome);
+                    if step == Step::GiveUp {
+                        return Ended::Exhausted { attempts, failures };
+                    }
+                }
+            },
+            Step::Switch => failures.push(outcome),
+            Step::RetrySame(wait) => {
+                if remaining.is_some_and(|r| wait >= r) {
+                    // The wait would outlast the deadline: move on instead.
+                    if let Some(reason) = CoolReason::from_outcome(outcome) {
+                        cool(
+                            backend,
+                            reason,
+                            hint,
+                            now,
+                            &snap.config.cooldown,
+                            response.as_ref().map(|r| r.status().as_u16()),
+                            &mut rng,
+                        );
+                    }
+                    failures.push(outcome);
+                } else {
+                    tracing::debug!(backend = %backend.cfg.name, wait_ms = wait.as_millis() as u64, tries = tries_before + 1, "retrying the same backend");
+                    next = Next::Same {
+                        backend: id,
+                        model: ci,
+                        tries: tries_before + 1,
+                        wait,
+                        probe: _probe,
+                    };
+                }
             }
         }
     }
+}
+
+/// Feeds the backend's circuit breaker and trips it when its rule says so.
+fn record_breaker(
+    backend: &BackendRt,
+    attempt: AttemptResult,
+    hint: Option<Duration>,
+    now: u64,
+    cooldown: &spillgate_core::config::CooldownPolicy,
+    rng: &mut fastrand::Rng,
+) {
+    let (Some(cfg), Some(window)) = (&backend.cfg.breaker, &backend.state.breaker) else {
+        return;
+    };
+    let failed = cfg.condition.matches(attempt);
+    let trip = match window.lock() {
+        Ok(mut w) => {
+            w.record(now, failed);
+            let (total, fails) = w.counts(now);
+            let trip = failed && cfg.policy.should_trip(total, fails);
+            if trip {
+                w.clear();
+            }
+            trip.then_some((total, fails))
+        }
+        Err(_) => None,
+    };
+    if let Some((total, fails)) = trip {
+        let d = cfg.policy.trip_for(hint);
+        let until_ms = now.saturating_add(millis(d + jitter(d, cooldown, rng)));
+        backend.state.cool(Cooldown {
+            until_ms,
+            reason: CoolReason::Tripped,
+        });
+        tracing::warn!(
+            backend = %backend.cfg.name,
+            failures = fails,
+            requests = total,
+            trip_ms = millis(d),
+            "circuit breaker tripped"
+        );
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A random extra delay of up to 10% of a cooldown, at most `cooldown.max_jitter`, so
+/// that many requests and instances do not all come back at the same instant.
+fn jitter(
+    d: Duration,
+    policy: &spillgate_core::config::CooldownPolicy,
+    rng: &mut fastrand::Rng,
+) -> Duration {
+    let cap = (d / 10).min(policy.max_jitter);
+    if cap.is_zero() {
+        return Duration::ZERO;
+    }
+    Duration::from_millis(rng.u64(0..=millis(cap)))
 }
 
 fn cool(
@@ -424,15 +738,16 @@ fn cool(
     now: u64,
     policy: &spillgate_core::config::CooldownPolicy,
     status: Option<u16>,
+    rng: &mut fastrand::Rng,
 ) {
     let d = cooldown_duration(reason, hint, policy);
-    let until_ms = now.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let until_ms = now.saturating_add(millis(d + jitter(d, policy, rng)));
     let extended = backend.state.cool(Cooldown { until_ms, reason });
     tracing::info!(
         backend = %backend.cfg.name,
         reason = reason.as_str(),
         status = status.unwrap_or(0),
-        cooldown_ms = d.as_millis() as u64,
+        cooldown_ms = millis(d),
         from_header = hint.is_some(),
         extended,
         "backend cooling down"
@@ -441,23 +756,22 @@ fn cool(
 
 fn build_upstream_request(
     backend: &BackendRt,
-    method: &Method,
-    headers: &HeaderMap,
-    req: &Classified<'_>,
-    body: &Bytes,
+    model: &str,
+    ctx: &Ctx<'_>,
     lazy_body_info: &mut Option<BodyInfo>,
 ) -> anyhow::Result<http::Request<Full<Bytes>>> {
+    let req = ctx.req;
     let deployment = backend
         .cfg
-        .deployment_for(&req.model)
+        .deployment_for(model)
         .ok_or_else(|| anyhow::anyhow!("backend does not serve the model"))?;
     // Azure classic requests carry the model in the path; their body is only read when a
     // backend needs the model in the body (an OpenAI-kind backend).
-    let info = match (&req.body_info, backend.cfg.kind, req.shape) {
-        (Some(i), _, _) => Some(i),
-        (None, BackendKind::Openai, _) => {
+    let info = match (&req.body_info, backend.cfg.kind) {
+        (Some(i), _) => Some(i),
+        (None, BackendKind::Openai) => {
             if lazy_body_info.is_none() {
-                *lazy_body_info = Some(inspect_body(body).unwrap_or(BodyInfo {
+                *lazy_body_info = Some(inspect_body(&ctx.body).unwrap_or(BodyInfo {
                     model: None,
                     model_span: None,
                     is_object: false,
@@ -465,7 +779,7 @@ fn build_upstream_request(
             }
             lazy_body_info.as_ref()
         }
-        (None, _, _) => None,
+        (None, _) => None,
     };
     let target = upstream_target(
         &RequestParts {
@@ -480,20 +794,20 @@ fn build_upstream_request(
         deployment,
     );
     let body = match (&target.body_model, info) {
-        (Some(name), Some(info)) => match set_model(body, info, name) {
+        (Some(name), Some(info)) => match set_model(&ctx.body, info, name) {
             Some(b) => Bytes::from(b),
-            None => body.clone(),
+            None => ctx.body.clone(),
         },
-        _ => body.clone(),
+        _ => ctx.body.clone(),
     };
     let uri = http::Uri::builder()
         .scheme(backend.scheme.clone())
         .authority(backend.authority.clone())
         .path_and_query(target.path_and_query)
         .build()?;
-    let mut builder = http::Request::builder().method(method.clone()).uri(uri);
+    let mut builder = http::Request::builder().method(ctx.method.clone()).uri(uri);
     if let Some(h) = builder.headers_mut() {
-        h.clone_from(headers);
+        h.clone_from(&ctx.headers);
         if let Some((name, value)) = &backend.credential {
             h.insert(name.clone(), value.clone());
         }
@@ -501,30 +815,38 @@ fn build_upstream_request(
     Ok(builder.body(Full::new(body))?)
 }
 
-fn finish(
-    ended: Ended,
-    req: &Classified<'_>,
-    client: &Client,
-    snap: &Snapshot,
-    started: tokio::time::Instant,
-    now_ms: u64,
-) -> Response {
-    let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client) -> Response {
+    let elapsed_ms = ctx.started.elapsed().as_secs_f64() * 1000.0;
+    let snap = ctx.snap;
+    let req = ctx.req;
+    let route = &snap.config.table.routes[ctx.route_id];
     match ended {
         Ended::Served {
             backend,
+            model,
             attempts,
             response,
         } => {
             let b = &snap.backends[backend];
+            let served_model = if model == 0 {
+                req.model.as_str()
+            } else {
+                route
+                    .fallback
+                    .get(model - 1)
+                    .map_or(req.model.as_str(), String::as_str)
+            };
             let (parts, body) = response.into_parts();
             let mut headers = response_headers(&parts.headers);
-            if let Ok(v) = HeaderValue::from_str(&b.cfg.name) {
-                headers.insert(HEADER_BACKEND, v);
-            }
+            headers.insert(HEADER_BACKEND, b.name_header.clone());
             headers.insert(HEADER_ATTEMPTS, HeaderValue::from(attempts));
+            if let Ok(v) = HeaderValue::from_str(served_model) {
+                headers.insert(HEADER_MODEL, v);
+            }
             tracing::info!(
                 model = %req.model,
+                served_model,
+                route = %route.name,
                 client = client.name(),
                 backend = %b.cfg.name,
                 status = parts.status.as_u16(),
@@ -538,16 +860,48 @@ fn finish(
             *resp.headers_mut() = headers;
             resp
         }
-        Ended::Exhausted { attempts, failures } => {
-            let err = exhausted_error(snap, req, &failures, now_ms);
+        other => {
+            let now = ctx.app.clock.now_ms();
+            let (attempts, err) = match other {
+                Ended::Exhausted { attempts, failures } => (attempts, exhausted_error(ctx, &failures, now)),
+                Ended::BudgetExhausted { attempts, state } => (
+                    attempts,
+                    GatewayError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "service_unavailable_error",
+                        "retry_budget_exhausted",
+                        format!(
+                            "The backends for model `{}` are failing and this gateway's retry budget is spent ({state}); no further attempts were made. Retry after the time in the Retry-After header.",
+                            req.model
+                        ),
+                    )
+                    .with_retry_after(soonest_recovery(ctx, now)),
+                ),
+                Ended::DeadlineExceeded { attempts, deadline } => (
+                    attempts,
+                    GatewayError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "timeout_error",
+                        "deadline_exceeded",
+                        format!(
+                            "No backend answered model `{}` within the request deadline of {} ms ({attempts} attempt(s)).",
+                            req.model,
+                            deadline.as_millis()
+                        ),
+                    ),
+                ),
+                Ended::Served { .. } => unreachable_served(),
+            };
             tracing::info!(
                 model = %req.model,
+                route = %route.name,
                 client = client.name(),
                 backend = "-",
                 status = err.status.as_u16(),
+                code = err.code,
                 attempts,
                 ttfb_ms = elapsed_ms,
-                "request: no backend available"
+                "request: no backend answer"
             );
             let mut resp = err.into_response();
             resp.headers_mut()
@@ -557,41 +911,63 @@ fn finish(
     }
 }
 
-/// The answer when no backend could serve: 429 when throttling is all there is, 503 when
-/// some backend failed; `Retry-After` is the soonest recovery in the pool (1 s when none
-/// is cooling, e.g. when `routing.max_attempts` stopped the attempts).
-fn exhausted_error(
-    snap: &Snapshot,
-    req: &Classified<'_>,
-    failures: &[Outcome],
-    now_ms: u64,
-) -> GatewayError {
-    let pool: Vec<BackendId> = snap
-        .config
-        .table
-        .pool(&req.model)
-        .map(|p| p.members().collect())
-        .unwrap_or_default();
-    let cooldowns: Vec<Cooldown> = pool
+/// `finish` matches `Served` first; this arm only satisfies the compiler.
+fn unreachable_served() -> (u32, GatewayError) {
+    (
+        0,
+        GatewayError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "internal",
+            "internal error",
+        ),
+    )
+}
+
+/// Members of the request's pool and its fallbacks' pools.
+fn all_members(ctx: &Ctx<'_>) -> Vec<BackendId> {
+    let table = &ctx.snap.config.table;
+    let route = &table.routes[ctx.route_id];
+    let mut ids: Vec<BackendId> = route.pool.members().collect();
+    for f in &route.fallback {
+        if let Some(r) = table.route_for(f, &ctx.snap.config.backends) {
+            ids.extend(table.routes[r].pool.members());
+        }
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// Time until the soonest cooldown in the request's pools ends; 1 s when none is cooling.
+fn soonest_recovery(ctx: &Ctx<'_>, now_ms: u64) -> Duration {
+    all_members(ctx)
         .iter()
-        .filter_map(|id| snap.backends[*id].state.cooldown(now_ms))
-        .collect();
-    let retry_after = cooldowns
-        .iter()
+        .filter_map(|id| ctx.snap.backends[*id].state.cooldown(now_ms))
         .map(|c| c.until_ms - now_ms)
         .min()
-        .map_or(Duration::from_secs(1), Duration::from_millis);
+        .map_or(Duration::from_secs(1), Duration::from_millis)
+}
+
+/// The answer when no backend could serve: 429 when throttling is all there is, 503 when
+/// some backend failed; `Retry-After` is the soonest recovery in the request's pools.
+fn exhausted_error(ctx: &Ctx<'_>, failures: &[Outcome], now_ms: u64) -> GatewayError {
+    let members = all_members(ctx);
+    let cooldowns: Vec<Cooldown> = members
+        .iter()
+        .filter_map(|id| ctx.snap.backends[*id].state.cooldown(now_ms))
+        .collect();
     let throttled_only = failures.iter().all(|o| *o == Outcome::Throttled)
         && cooldowns.iter().all(|c| c.reason == CoolReason::Throttled);
-    let n = pool.len();
+    let n = members.len();
+    let model = &ctx.req.model;
     let err = if throttled_only {
         GatewayError::new(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_error",
             "all_backends_throttled",
             format!(
-                "All {n} backend(s) serving model `{}` are over their rate limits. Retry after the time in the Retry-After header.",
-                req.model
+                "All {n} backend(s) serving model `{model}` are over their rate limits. Retry after the time in the Retry-After header."
             ),
         )
     } else {
@@ -600,10 +976,9 @@ fn exhausted_error(
             "service_unavailable_error",
             "no_backend_available",
             format!(
-                "No backend serving model `{}` could take the request ({n} configured; failing or cooling down). Retry after the time in the Retry-After header.",
-                req.model
+                "No backend serving model `{model}` could take the request ({n} configured; failing or cooling down). Retry after the time in the Retry-After header."
             ),
         )
     };
-    err.with_retry_after(retry_after)
+    err.with_retry_after(soonest_recovery(ctx, now_ms))
 }

@@ -6,9 +6,11 @@
 //! process-local instants) keep the values meaningful if they are shared between
 //! instances later.
 
-use std::sync::atomic::{AtomicU16, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use spillgate_core::breaker::FailureWindow;
 use spillgate_core::outcome::{unix_ms, CoolReason, Cooldown};
 
 /// Wall-clock milliseconds derived from tokio's clock, so that paused-time tests move
@@ -46,11 +48,41 @@ impl Default for Clock {
 }
 
 /// Live state of one backend.
+///
+/// After a cooldown or a trip the backend is *recovering*: until one request answers
+/// well, at most one request at a time (the probe) is sent to it, so a backend that comes
+/// back is not hit by every waiting request at once.
 #[derive(Debug, Default)]
 pub struct BackendState {
     cool_until_ms: AtomicU64,
     reason: AtomicU8,
     last_status: AtomicU16,
+    recovering: AtomicBool,
+    probe_in_flight: AtomicBool,
+    /// Requests and failures in the breaker's window, when a breaker is configured.
+    pub breaker: Option<Mutex<FailureWindow>>,
+}
+
+/// Whether a request may go to a backend, as far as recovery probing goes.
+#[derive(Debug)]
+pub enum Probe {
+    /// The backend is not recovering: no probe needed.
+    NotNeeded,
+    /// This request is the backend's probe.
+    Acquired(ProbeGuard),
+    /// Another request is probing it.
+    Busy,
+}
+
+/// Holds a recovering backend's single probe slot; frees it when dropped, however the
+/// probe ends (answer, failure, or the client going away).
+#[derive(Debug)]
+pub struct ProbeGuard(Arc<BackendState>);
+
+impl Drop for ProbeGuard {
+    fn drop(&mut self) {
+        self.0.probe_in_flight.store(false, Ordering::Release);
+    }
 }
 
 /// How a backend looks at one moment.
@@ -64,8 +96,52 @@ pub enum Availability {
 }
 
 impl BackendState {
+    pub fn new(breaker_window: Option<std::time::Duration>) -> BackendState {
+        BackendState {
+            breaker: breaker_window.map(|w| Mutex::new(FailureWindow::new(w))),
+            ..BackendState::default()
+        }
+    }
+
     pub fn is_ready(&self, now_ms: u64) -> bool {
         self.cool_until_ms.load(Ordering::Relaxed) <= now_ms
+    }
+
+    /// Ready and, if recovering, with its probe slot free.
+    pub fn is_usable(&self, now_ms: u64) -> bool {
+        self.is_ready(now_ms)
+            && !(self.recovering.load(Ordering::Acquire)
+                && self.probe_in_flight.load(Ordering::Acquire))
+    }
+
+    pub fn is_recovering(&self) -> bool {
+        self.recovering.load(Ordering::Acquire)
+    }
+
+    pub fn probe_in_flight(&self) -> bool {
+        self.probe_in_flight.load(Ordering::Acquire)
+    }
+
+    /// For a recovering backend, takes the probe slot; says when another request holds
+    /// it. A backend that is not recovering needs no slot.
+    pub fn acquire_probe(self: &Arc<Self>) -> Probe {
+        if !self.recovering.load(Ordering::Acquire) {
+            return Probe::NotNeeded;
+        }
+        match self.probe_in_flight.compare_exchange(
+            false,
+            true,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => Probe::Acquired(ProbeGuard(Arc::clone(self))),
+            Err(_) => Probe::Busy,
+        }
+    }
+
+    /// The backend answered well: it is fully back.
+    pub fn recovered(&self) {
+        self.recovering.store(false, Ordering::Release);
     }
 
     pub fn cooldown(&self, now_ms: u64) -> Option<Cooldown> {
@@ -90,6 +166,7 @@ impl BackendState {
 
     /// Records a cooldown; the later deadline wins. Returns whether this one extended it.
     pub fn cool(&self, cooldown: Cooldown) -> bool {
+        self.recovering.store(true, Ordering::Release);
         let previous = self
             .cool_until_ms
             .fetch_max(cooldown.until_ms, Ordering::AcqRel);
@@ -142,6 +219,30 @@ mod tests {
         assert!(!s.is_ready(99));
         assert!(s.is_ready(100));
         assert_eq!(s.availability(100), Availability::Ready);
+    }
+
+    #[test]
+    fn one_probe_at_a_time_while_recovering() {
+        let s = Arc::new(BackendState::default());
+        assert!(
+            matches!(s.acquire_probe(), Probe::NotNeeded),
+            "a healthy backend needs no probe"
+        );
+        s.cool(Cooldown {
+            until_ms: 10,
+            reason: CoolReason::Throttled,
+        });
+        assert!(!s.is_usable(5));
+        assert!(s.is_usable(10));
+        let Probe::Acquired(guard) = s.acquire_probe() else {
+            panic!("the first request after the cooldown is the probe")
+        };
+        assert!(!s.is_usable(10), "the probe slot is taken");
+        assert!(matches!(s.acquire_probe(), Probe::Busy));
+        drop(guard);
+        assert!(s.is_usable(10));
+        s.recovered();
+        assert!(matches!(s.acquire_probe(), Probe::NotNeeded));
     }
 
     #[tokio::test(start_paused = true)]

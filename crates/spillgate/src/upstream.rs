@@ -7,9 +7,10 @@
 
 use std::time::Duration;
 
+use axum::body::Body;
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use http_body_util::Full;
-use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -27,13 +28,25 @@ pub enum AttemptError {
     Request(String),
 }
 
+/// Sends one request to a backend. The gateway's request path only sees this trait, so
+/// tests can run the whole gateway in memory against scripted backends, with paused time.
+pub trait Upstream: Send + Sync + 'static {
+    /// Resolves when the response headers arrive, or fails after `timeout`.
+    fn send(
+        &self,
+        req: http::Request<Full<Bytes>>,
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>>;
+}
+
 pub struct UpstreamClient {
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
-    first_byte: Duration,
 }
 
 impl UpstreamClient {
     pub fn new(timeouts: &Timeouts) -> UpstreamClient {
+        // The first-byte timeout is applied per request (it may be cut short by a
+        // request's deadline); only the connect timeout lives in the connector.
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
@@ -51,23 +64,25 @@ impl UpstreamClient {
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(256)
             .build(https);
-        UpstreamClient {
-            client,
-            first_byte: timeouts.first_byte,
-        }
+        UpstreamClient { client }
     }
+}
 
-    /// Sends one request; resolves when the response headers arrive.
-    pub async fn send(
+impl Upstream for UpstreamClient {
+    fn send(
         &self,
         req: http::Request<Full<Bytes>>,
-    ) -> Result<http::Response<Incoming>, AttemptError> {
-        match tokio::time::timeout(self.first_byte, self.client.request(req)).await {
-            Err(_) => Err(AttemptError::FirstByteTimeout(self.first_byte)),
-            Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) if e.is_connect() => Err(AttemptError::Connect(error_chain(&e))),
-            Ok(Err(e)) => Err(AttemptError::Request(error_chain(&e))),
-        }
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>> {
+        let fut = self.client.request(req);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, fut).await {
+                Err(_) => Err(AttemptError::FirstByteTimeout(timeout)),
+                Ok(Ok(resp)) => Ok(resp.map(Body::new)),
+                Ok(Err(e)) if e.is_connect() => Err(AttemptError::Connect(error_chain(&e))),
+                Ok(Err(e)) => Err(AttemptError::Request(error_chain(&e))),
+            }
+        })
     }
 }
 
