@@ -9,6 +9,7 @@ pub mod auth;
 pub mod check;
 pub mod demo;
 pub mod errors;
+pub mod health;
 pub mod proxy;
 pub mod server;
 pub mod state;

@@ -460,6 +460,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let mut waited = Duration::ZERO;
     let mut lazy_body_info: Option<BodyInfo> = None;
     let mut next = Next::Select;
+    // The last attempt's answer when it was the backend's own verdict (a 4xx under a
+    // `>=300` policy, say): if the backends run out, the client gets it as it is.
+    let mut last_answer: Option<(BackendId, usize, http::Response<Body>)> = None;
 
     loop {
         let remaining =
@@ -473,7 +476,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             }
         }
         if attempts >= max_attempts {
-            return Ended::Exhausted { attempts, failures };
+            return give_up(attempts, failures, last_answer);
         }
         let now = app.clock.now_ms();
         let (id, ci, tries_before, _probe, forced) = match std::mem::replace(
@@ -501,13 +504,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         .min();
                     match (routing.when_all_cooling, soonest) {
                         (_, None) | (AllCoolingPolicy::Reject, _) => {
-                            return Ended::Exhausted { attempts, failures }
+                            return give_up(attempts, failures, last_answer)
                         }
                         (AllCoolingPolicy::Wait, Some(until)) => {
                             let wait = Duration::from_millis(until.saturating_sub(now));
                             let within_deadline = remaining.is_none_or(|r| wait < r);
                             if waited + wait > routing.max_wait || !within_deadline {
-                                return Ended::Exhausted { attempts, failures };
+                                return give_up(attempts, failures, last_answer);
                             }
                             tracing::debug!(model = %ctx.req.model, wait_ms = wait.as_millis() as u64, "all candidates cooling; waiting for the soonest");
                             tokio::time::sleep_until(app.clock.instant_at(until)).await;
@@ -517,7 +520,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         (AllCoolingPolicy::ForwardFirst, Some(_)) => {
                             match chain_members(ctx, &chain, &tried).next() {
                                 Some((id, ci)) => (id, ci, 0, None, true),
-                                None => return Ended::Exhausted { attempts, failures },
+                                None => return give_up(attempts, failures, last_answer),
                             }
                         }
                     }
@@ -636,11 +639,17 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 None => {
                     failures.push(outcome);
                     if step == Step::GiveUp {
-                        return Ended::Exhausted { attempts, failures };
+                        return give_up(attempts, failures, last_answer);
                     }
                 }
             },
-            Step::Switch => failures.push(outcome),
+            Step::Switch => {
+                failures.push(outcome);
+                last_answer = match response {
+                    Some(r) if !outcome.fails_over() => Some((id, ci, r)),
+                    _ => None,
+                };
+            }
             Step::RetrySame(wait) => {
                 if remaining.is_some_and(|r| wait >= r) {
                     // The wait would outlast the deadline: move on instead.
@@ -668,6 +677,24 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             }
         }
+    }
+}
+
+/// How a request ends when no backend is left: the last answer when it was a backend's
+/// own verdict, else the gateway's error.
+fn give_up(
+    attempts: u32,
+    failures: Vec<Outcome>,
+    last_answer: Option<(BackendId, usize, http::Response<Body>)>,
+) -> Ended {
+    match last_answer {
+        Some((backend, model, response)) => Ended::Served {
+            backend,
+            model,
+            attempts,
+            response,
+        },
+        None => Ended::Exhausted { attempts, failures },
     }
 }
 

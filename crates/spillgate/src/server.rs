@@ -90,6 +90,7 @@ pub async fn start(app: Arc<App>) -> anyhow::Result<Running> {
     let listener = TcpListener::bind(server_cfg.listen).await?;
     let addr = listener.local_addr()?;
     let (stop, mut stopped) = watch::channel(false);
+    crate::health::spawn(&app);
     let service = router(Arc::clone(&app));
     let task = tokio::spawn(async move {
         let mut http = hyper::server::conn::http1::Builder::new();

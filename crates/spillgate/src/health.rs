@@ -1,0 +1,101 @@
+//! Active health checks: a cheap request to a backend on an interval, for backends where
+//! an operator would rather find out before a client does. Off unless a backend has a
+//! `health_check`. A failed check cools the backend (reason "health") for one interval;
+//! the log says when a backend turns unhealthy and when it is healthy again, not every
+//! check.
+
+use std::sync::{Arc, Weak};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use spillgate_core::outcome::{CoolReason, Cooldown};
+use spillgate_core::retry::AttemptResult;
+
+use crate::app::{App, BackendRt};
+
+/// Starts one task per backend that has a health check. Tasks hold a weak reference and
+/// end when the gateway is dropped.
+pub fn spawn(app: &Arc<App>) {
+    let snap = app.snapshot.load();
+    for b in &snap.backends {
+        if b.cfg.health_check.is_some() {
+            let weak = Arc::downgrade(app);
+            let name = Arc::clone(&b.cfg.name);
+            tokio::spawn(run(weak, name));
+        }
+    }
+}
+
+fn request(b: &BackendRt) -> Option<http::Request<Full<Bytes>>> {
+    let hc = b.cfg.health_check.as_ref()?;
+    let uri = http::Uri::builder()
+        .scheme(b.scheme.clone())
+        .authority(b.authority.clone())
+        .path_and_query(format!("{}{}", b.base_path, hc.path))
+        .build()
+        .ok()?;
+    let mut builder = http::Request::builder().method(hc.method.as_str()).uri(uri);
+    if let Some(h) = builder.headers_mut() {
+        if let Some((name, value)) = &b.credential {
+            h.insert(name.clone(), value.clone());
+        }
+        if hc.body.is_some() {
+            h.insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+        }
+    }
+    builder
+        .body(Full::new(Bytes::from(hc.body.clone().unwrap_or_default())))
+        .ok()
+}
+
+async fn run(app: Weak<App>, name: Arc<str>) {
+    let mut healthy = true;
+    loop {
+        let Some(a) = app.upgrade() else { return };
+        let snap = a.snapshot.load_full();
+        let Some(b) = snap.backends.iter().find(|b| b.cfg.name == name) else {
+            return;
+        };
+        let Some(hc) = b.cfg.health_check.clone() else {
+            return;
+        };
+        let Some(req) = request(b) else {
+            tracing::error!(backend = %name, path = %hc.path, "health check request cannot be built; checks stopped");
+            return;
+        };
+        let result = a.upstream.send(req, hc.timeout).await;
+        let (ok, detail) = match result {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                (
+                    hc.expect.matches(AttemptResult::Status(status)),
+                    format!("status {status}"),
+                )
+            }
+            Err(e) => (false, e.to_string()),
+        };
+        if ok {
+            if !healthy {
+                tracing::info!(backend = %name, "health check passes again");
+            }
+        } else {
+            let now = a.clock.now_ms();
+            let until_ms =
+                now.saturating_add(u64::try_from(hc.interval.as_millis()).unwrap_or(u64::MAX));
+            b.state.cool(Cooldown {
+                until_ms,
+                reason: CoolReason::Health,
+            });
+            if healthy {
+                tracing::warn!(backend = %name, result = %detail, "health check failed; backend cooling until it passes");
+            }
+        }
+        healthy = ok;
+        drop(snap);
+        drop(a);
+        tokio::time::sleep(hc.interval).await;
+    }
+}

@@ -1,0 +1,703 @@
+//! Retry policies, routes, budgets, deadlines, circuit breaking and recovery, tested on
+//! the whole gateway (router, attempt loop, state) in memory: backends are scripted
+//! behind the `Upstream` trait and tokio's clock is paused, so every wait is exact and
+//! no test sleeps for real.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test code: a failed setup step should abort the test loudly"
+)]
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use http::{HeaderMap, StatusCode};
+use http_body_util::{BodyExt, Full};
+use spillgate::app::App;
+use spillgate::upstream::{AttemptError, Upstream};
+use tokio::time::Instant;
+use tower::ServiceExt;
+
+const KEY: &str = "client-key";
+const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
+
+/// A scripted reply of a fake backend.
+#[derive(Clone, Debug)]
+struct R {
+    /// 0 = no answer at all (connection refused).
+    status: u16,
+    headers: Vec<(&'static str, String)>,
+    delay: Duration,
+}
+
+fn ok() -> R {
+    st(200)
+}
+fn st(status: u16) -> R {
+    R {
+        status,
+        headers: Vec::new(),
+        delay: Duration::ZERO,
+    }
+}
+impl R {
+    fn header(mut self, k: &'static str, v: &str) -> R {
+        self.headers.push((k, v.to_string()));
+        self
+    }
+    fn delay(mut self, d: Duration) -> R {
+        self.delay = d;
+        self
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Call {
+    backend: String,
+    path: String,
+    body: Bytes,
+    /// When the attempt started, since the test began.
+    at: Duration,
+}
+
+#[derive(Default)]
+struct FakeState {
+    scripts: HashMap<String, VecDeque<R>>,
+    defaults: HashMap<String, R>,
+    calls: Vec<Call>,
+}
+
+/// Backends by host name (`b0`, `b1`, ...): scripted replies first, then a default
+/// (200 unless set).
+#[derive(Clone)]
+struct Fake {
+    state: Arc<Mutex<FakeState>>,
+    start: Instant,
+}
+
+impl Fake {
+    fn new() -> Fake {
+        Fake {
+            state: Arc::default(),
+            start: Instant::now(),
+        }
+    }
+    fn script(&self, backend: &str, replies: Vec<R>) {
+        self.state
+            .lock()
+            .unwrap()
+            .scripts
+            .entry(backend.to_string())
+            .or_default()
+            .extend(replies);
+    }
+    fn default(&self, backend: &str, reply: R) {
+        self.state
+            .lock()
+            .unwrap()
+            .defaults
+            .insert(backend.to_string(), reply);
+    }
+    fn calls(&self) -> Vec<Call> {
+        self.state.lock().unwrap().calls.clone()
+    }
+    fn order(&self) -> Vec<String> {
+        self.calls().into_iter().map(|c| c.backend).collect()
+    }
+    fn hits(&self, backend: &str) -> usize {
+        self.calls().iter().filter(|c| c.backend == backend).count()
+    }
+}
+
+impl Upstream for Fake {
+    fn send(
+        &self,
+        req: http::Request<Full<Bytes>>,
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>> {
+        let host = req.uri().host().unwrap_or("?");
+        let backend = host.strip_suffix(".test").unwrap_or(host).to_string();
+        let path = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.to_string())
+            .unwrap_or_default();
+        let at = Instant::now() - self.start;
+        let state = Arc::clone(&self.state);
+        Box::pin(async move {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let reply = {
+                let mut s = state.lock().unwrap();
+                s.calls.push(Call {
+                    backend: backend.clone(),
+                    path,
+                    body,
+                    at,
+                });
+                s.scripts
+                    .get_mut(&backend)
+                    .and_then(VecDeque::pop_front)
+                    .or_else(|| s.defaults.get(&backend).cloned())
+                    .unwrap_or_else(ok)
+            };
+            let answer = async {
+                tokio::time::sleep(reply.delay).await;
+                if reply.status == 0 {
+                    return Err(AttemptError::Connect("connection refused".into()));
+                }
+                let mut resp = http::Response::builder().status(reply.status);
+                for (k, v) in &reply.headers {
+                    resp = resp.header(*k, v);
+                }
+                Ok(resp
+                    .body(Body::from(format!("{{\"from\":\"{backend}\"}}")))
+                    .unwrap())
+            };
+            match tokio::time::timeout(timeout, answer).await {
+                Ok(r) => r,
+                Err(_) => Err(AttemptError::FirstByteTimeout(timeout)),
+            }
+        })
+    }
+}
+
+/// The gateway over fake backends `b0..bN` (Azure kind, url `http://bN.test`), with
+/// `backends` lines appended to each `[[backends]]` (e.g. `priority = 2`).
+struct Gw {
+    fake: Fake,
+    app: Arc<App>,
+    router: axum::Router,
+}
+
+fn gateway(backends: &[&str], extra: &str) -> Gw {
+    let mut text = format!("[auth]\nclient_keys = [\"env:K\"]\n{extra}\n");
+    for (i, b) in backends.iter().enumerate() {
+        text.push_str(&format!(
+            "[[backends]]\nname = \"b{i}\"\nkind = \"azure\"\nurl = \"http://b{i}.test\"\napi_key = \"env:K\"\n{b}\n"
+        ));
+    }
+    let config =
+        spillgate_core::config::load(&text, &|_| Some(KEY.to_string()), &|_| Err(String::new()))
+            .unwrap_or_else(|e| panic!("config: {e}\n{text}"));
+    let fake = Fake::new();
+    let app = App::with_upstream(config, Arc::new(fake.clone())).unwrap();
+    let router = spillgate::server::router(Arc::clone(&app));
+    Gw { fake, app, router }
+}
+
+impl Gw {
+    async fn send(&self, path: &str, body: &str) -> (StatusCode, HeaderMap, String) {
+        let req = http::Request::post(path)
+            .header("api-key", KEY)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        let resp = self.router.clone().oneshot(req).await.unwrap();
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        (
+            parts.status,
+            parts.headers,
+            String::from_utf8_lossy(&body).into_owned(),
+        )
+    }
+
+    async fn chat(&self) -> (StatusCode, HeaderMap, String) {
+        self.send("/v1/chat/completions", CHAT).await
+    }
+
+    async fn chat_model(&self, model: &str) -> (StatusCode, HeaderMap, String) {
+        let body = CHAT.replace("gpt-4o", model);
+        self.send("/v1/chat/completions", &body).await
+    }
+}
+
+fn h<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+fn secs(c: &Call) -> f64 {
+    c.at.as_secs_f64()
+}
+
+// ---------------------------------------------------------------------------------------
+// Seed 001: three URLs, 3 tries each, 5xx retried on the same URL, 429 moves on at once.
+// ---------------------------------------------------------------------------------------
+
+const SEED_001: &str = r#"
+[retry]
+condition = [">=300"]
+count = 8
+per_backend = 3
+switch_on = ["429"]
+interval = "1s"
+max_interval = "10s"
+delta = "1s"
+first_fast_retry = false
+"#;
+
+#[tokio::test(start_paused = true)]
+async fn seed_001_all_failing_makes_nine_calls_then_stops() {
+    let gw = gateway(&["priority = 1", "priority = 2", "priority = 3"], SEED_001);
+    for b in ["b0", "b1", "b2"] {
+        gw.fake.default(b, st(500));
+    }
+    let (status, headers, body) = gw.chat().await;
+    // Retries used up: the last backend's own answer goes back, as APIM's retry does.
+    assert_eq!(status, 500);
+    assert_eq!(h(&headers, "x-spillgate-attempts"), "9");
+    assert_eq!(body, r#"{"from":"b2"}"#);
+    assert_eq!(
+        gw.fake.order(),
+        ["b0", "b0", "b0", "b1", "b1", "b1", "b2", "b2", "b2"]
+    );
+    // Waits between tries of one backend follow the backoff (1 s, then 2 s +-20%);
+    // moving to the next backend is immediate.
+    let c = gw.fake.calls();
+    for base in [0, 3, 6] {
+        let first = secs(&c[base + 1]) - secs(&c[base]);
+        let second = secs(&c[base + 2]) - secs(&c[base + 1]);
+        assert!(
+            (first - 1.0).abs() < 1e-6,
+            "first retry waits interval: {first}"
+        );
+        assert!(
+            (1.8..=2.2).contains(&second),
+            "second retry waits 2 s +-20%: {second}"
+        );
+    }
+    assert_eq!(secs(&c[3]), secs(&c[2]), "switching to b1 does not wait");
+    assert_eq!(secs(&c[6]), secs(&c[5]), "switching to b2 does not wait");
+}
+
+#[tokio::test(start_paused = true)]
+async fn seed_001_429_moves_on_at_once_and_5xx_retries_in_place() {
+    let gw = gateway(&["priority = 1", "priority = 2", "priority = 3"], SEED_001);
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "20")]);
+    gw.fake.script("b1", vec![st(500), st(503), ok()]);
+    let (status, headers, body) = gw.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(body, r#"{"from":"b1"}"#);
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    assert_eq!(h(&headers, "x-spillgate-attempts"), "4");
+    assert_eq!(gw.fake.order(), ["b0", "b1", "b1", "b1"]);
+    let c = gw.fake.calls();
+    assert_eq!(secs(&c[1]), secs(&c[0]), "429: no wait");
+    // Every attempt sent the same body.
+    assert!(c.iter().all(|x| x.body == c[0].body));
+}
+
+#[tokio::test(start_paused = true)]
+async fn seed_001_a_400_is_retried_under_ge_300_and_ends_with_the_last_answer() {
+    let gw = gateway(&["priority = 1", "priority = 2"], SEED_001);
+    gw.fake.default("b0", st(400));
+    gw.fake.default("b1", st(404));
+    let (status, headers, _) = gw.chat().await;
+    assert_eq!(status, 404);
+    assert_eq!(gw.fake.order(), ["b0", "b0", "b0", "b1", "b1", "b1"]);
+    assert_eq!(h(&headers, "x-spillgate-attempts"), "6");
+}
+
+#[tokio::test(start_paused = true)]
+async fn seed_000_switches_immediately_without_waiting() {
+    let gw = gateway(&["priority = 1", "priority = 2", "priority = 3"], "");
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "10")]);
+    gw.fake.script("b1", vec![st(503)]);
+    let t0 = Instant::now();
+    let (status, headers, _) = gw.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b2");
+    assert_eq!(gw.fake.order(), ["b0", "b1", "b2"]);
+    assert_eq!(t0.elapsed(), Duration::ZERO, "no server-side sleep");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_longer_retry_after_overrides_the_backoff() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[retry]\nper_backend = 2\ninterval = \"1s\"\n",
+    );
+    gw.fake
+        .script("b0", vec![st(503).header("retry-after", "7"), ok()]);
+    let (status, headers, _) = gw.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
+    let c = gw.fake.calls();
+    assert_eq!(c[1].at - c[0].at, Duration::from_secs(7));
+}
+
+// ---------------------------------------------------------------------------------------
+// Budget and deadline
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn retry_budget_bounds_upstream_attempts_in_a_total_outage() {
+    // Every backend answers 503 and cools for no time at all, so without a budget each
+    // request would try all three: 3 upstream attempts per request.
+    let gw = gateway(
+        &["", "", ""],
+        "[cooldown]\ndefault_5xx = \"0s\"\n[retry]\nbudget = { ratio = 0.2, min_per_second = 1, window = \"10s\" }\n",
+    );
+    for b in ["b0", "b1", "b2"] {
+        gw.fake.default(b, st(503));
+    }
+    let requests = 3000u32; // 100 per second for 30 s
+    let mut budget_errors = 0;
+    let mut last_message = String::new();
+    for _ in 0..requests {
+        let (status, _, body) = gw.chat().await;
+        assert_eq!(status, 503);
+        if body.contains("retry_budget_exhausted") {
+            budget_errors += 1;
+            last_message = body;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let attempts = gw.fake.calls().len() as f64;
+    let retries = attempts - f64::from(requests);
+    // 20% of requests plus 1/s: about 600 + 30 extra attempts over 30 s; without the
+    // budget there would be 6000.
+    assert!(
+        retries <= 0.2 * f64::from(requests) + 30.0 + 10.0,
+        "{retries} retries"
+    );
+    assert!(
+        retries >= 0.2 * f64::from(requests) * 0.8,
+        "the budget is used, not zero: {retries}"
+    );
+    assert!(
+        budget_errors > 2000,
+        "most requests are refused by the budget: {budget_errors}"
+    );
+    // The error says why and shows the budget's state.
+    assert!(last_message.contains("retries used of"), "{last_message}");
+    assert!(
+        last_message.contains("allowed in the last 10 s"),
+        "{last_message}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_covers_all_attempts_and_waits() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[routing]\ndeadline = \"5s\"\n[retry]\nper_backend = 3\ninterval = \"2s\"\n",
+    );
+    gw.fake.default("b0", st(500));
+    gw.fake.default("b1", ok().delay(Duration::from_secs(60)));
+    let t0 = Instant::now();
+    let (status, headers, body) = gw.chat().await;
+    assert_eq!(status, 504, "{body}");
+    assert!(body.contains("deadline_exceeded"));
+    assert_eq!(
+        t0.elapsed(),
+        Duration::from_secs(5),
+        "answered exactly at the deadline"
+    );
+    // b0 at 0 s and 2 s; its third try would come at 4 s + wait: the deadline cuts in.
+    assert!(gw.fake.hits("b0") >= 2);
+    assert!(h(&headers, "x-spillgate-attempts").parse::<u32>().unwrap() >= 3);
+}
+
+// ---------------------------------------------------------------------------------------
+// Circuit breaking and recovery
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn breaker_trips_after_n_failures_and_a_single_probe_tests_recovery() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[cooldown]\ndefault_5xx = \"0s\"\n[circuit_breaker]\nfailures = 3\nwindow = \"10s\"\ntrip = \"30s\"\n",
+    );
+    gw.fake.script("b0", vec![st(500), st(500), st(500)]);
+    for _ in 0..3 {
+        let (status, headers, _) = gw.chat().await;
+        assert_eq!(status, 200);
+        assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    }
+    assert_eq!(gw.fake.hits("b0"), 3);
+    // Tripped: b0 gets nothing for 30 s although its cooldowns were 0 s.
+    for _ in 0..20 {
+        gw.chat().await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert_eq!(gw.fake.hits("b0"), 3, "tripped backend left alone");
+    let snap = gw.app.snapshot.load();
+    let c = snap.backends[0]
+        .state
+        .cooldown(gw.app.clock.now_ms())
+        .unwrap();
+    assert_eq!(c.reason.as_str(), "tripped");
+
+    // After the trip (30 s plus up to 1 s of jitter), 50 requests arrive at once while
+    // the probe is slow: b0 gets exactly one of them.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    gw.fake
+        .script("b0", vec![ok().delay(Duration::from_secs(2))]);
+    let before_b1 = gw.fake.hits("b1");
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let router = gw.router.clone();
+        tasks.push(tokio::spawn(async move {
+            let req = http::Request::post("/v1/chat/completions")
+                .header("api-key", KEY)
+                .body(Body::from(CHAT))
+                .unwrap();
+            let resp = router.oneshot(req).await.unwrap();
+            resp.headers()["x-spillgate-backend"]
+                .to_str()
+                .unwrap()
+                .to_string()
+        }));
+    }
+    let mut served = Vec::new();
+    for t in tasks {
+        served.push(t.await.unwrap());
+    }
+    assert_eq!(gw.fake.hits("b0"), 4, "exactly one probe");
+    assert_eq!(served.iter().filter(|b| *b == "b0").count(), 1);
+    assert_eq!(gw.fake.hits("b1") - before_b1, 49);
+    // The probe answered well: b0 is fully back for everyone.
+    for _ in 0..10 {
+        let (_, headers, _) = gw.chat().await;
+        assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_cooldown_only_one_probe_goes_until_it_answers() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[cooldown]\nmax_jitter = \"0s\"\n",
+    );
+    gw.fake.script(
+        "b0",
+        vec![
+            st(429).header("retry-after", "5"),
+            ok().delay(Duration::from_secs(3)),
+        ],
+    );
+    gw.chat().await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // First request after the cooldown is the probe (slow); others go to b1 meanwhile.
+    let router = gw.router.clone();
+    let probe = tokio::spawn(async move {
+        let req = http::Request::post("/v1/chat/completions")
+            .header("api-key", KEY)
+            .body(Body::from(CHAT))
+            .unwrap();
+        router.oneshot(req).await.unwrap().headers()["x-spillgate-backend"]
+            .to_str()
+            .unwrap()
+            .to_string()
+    });
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..5 {
+        let (_, headers, _) = gw.chat().await;
+        assert_eq!(
+            h(&headers, "x-spillgate-backend"),
+            "b1",
+            "the probe is in flight"
+        );
+    }
+    assert_eq!(probe.await.unwrap(), "b0");
+    let (_, headers, _) = gw.chat().await;
+    assert_eq!(
+        h(&headers, "x-spillgate-backend"),
+        "b0",
+        "back after the probe answered"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_probe_cools_the_backend_again() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[cooldown]\nmax_jitter = \"0s\"\n",
+    );
+    gw.fake.script(
+        "b0",
+        vec![
+            st(429).header("retry-after", "5"),
+            st(429).header("retry-after", "5"),
+        ],
+    );
+    gw.chat().await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (_, headers, _) = gw.chat().await;
+    assert_eq!(
+        h(&headers, "x-spillgate-attempts"),
+        "2",
+        "probe failed, moved on"
+    );
+    for _ in 0..3 {
+        let (_, headers, _) = gw.chat().await;
+        assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    }
+    assert_eq!(gw.fake.hits("b0"), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn active_health_checks_cool_a_failing_backend() {
+    let gw = gateway(
+        &[
+            "priority = 1\nhealth_check = { path = \"/openai/models?api-version=2024-10-21\", interval = \"10s\" }",
+            "priority = 2",
+        ],
+        "",
+    );
+    gw.fake.default("b0", st(500));
+    spillgate::health::spawn(&gw.app);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let calls = gw.fake.calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].path, "/openai/models?api-version=2024-10-21");
+    // No client request has touched b0, yet it is cooling and traffic goes to b1.
+    let (_, headers, _) = gw.chat().await;
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    assert_eq!(gw.fake.hits("b0"), 1);
+    let snap = gw.app.snapshot.load();
+    assert_eq!(
+        snap.backends[0]
+            .state
+            .cooldown(gw.app.clock.now_ms())
+            .unwrap()
+            .reason
+            .as_str(),
+        "health"
+    );
+    // It checks again each interval.
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    assert_eq!(gw.fake.hits("b0"), 3);
+}
+
+// ---------------------------------------------------------------------------------------
+// Routes
+// ---------------------------------------------------------------------------------------
+
+/// Seed 004's content-based routing: gpt-35-turbo-16k to the PTU first, everything else
+/// to pay-as-you-go; gpt-4o* by glob with a fallback to gpt-4o-mini.
+const ROUTES: &str = r#"
+[[routes]]
+models = ["gpt-35-turbo-16k"]
+backends = [{ name = "b0", priority = 1 }, { name = "b1", priority = 2 }]
+
+[[routes]]
+models = ["gpt-4o*"]
+backends = [{ name = "b1", priority = 1 }, { name = "b2", priority = 2 }]
+fallback = ["gpt-4o-mini"]
+
+[[routes]]
+models = ["*"]
+backends = ["b2"]
+"#;
+
+#[tokio::test(start_paused = true)]
+async fn routes_send_each_model_to_its_pool() {
+    let gw = gateway(
+        &[
+            "deployments = { \"gpt-35-turbo-16k\" = \"turbo16k-ptu\" }",
+            "",
+            "deployments = { \"gpt-4o\" = \"gpt4o-paygo\", \"gpt-4o-mini\" = \"mini-paygo\", \"ada\" = \"ada\" }",
+        ],
+        ROUTES,
+    );
+    let (_, headers, _) = gw.chat_model("gpt-35-turbo-16k").await;
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
+    assert_eq!(h(&headers, "x-spillgate-model"), "gpt-35-turbo-16k");
+    let (_, headers, _) = gw.chat_model("gpt-4o").await;
+    assert_eq!(
+        h(&headers, "x-spillgate-backend"),
+        "b1",
+        "glob route, its own tier 1"
+    );
+    let (_, headers, _) = gw.chat_model("ada").await;
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b2", "catch-all route");
+    let paths: Vec<String> = gw.fake.calls().into_iter().map(|c| c.path).collect();
+    assert_eq!(paths[0], "/openai/v1/chat/completions");
+    assert!(String::from_utf8_lossy(&gw.fake.calls()[0].body).contains("turbo16k-ptu"));
+    // Per-pool tiers: b1 is priority 2 for turbo-16k but priority 1 for gpt-4o.
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "30")]);
+    let (_, headers, _) = gw.chat_model("gpt-35-turbo-16k").await;
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_models_get_404_listing_nothing_secret() {
+    let gw = gateway(
+        &["deployments = { \"gpt-4o\" = \"d\" }"],
+        "[[routes]]\nmodels = [\"gpt-4o*\"]\nbackends = [\"b0\"]\n",
+    );
+    let (status, _, body) = gw.chat_model("gpt-5").await;
+    assert_eq!(status, 404);
+    assert!(body.contains("model_not_found"));
+    assert!(
+        !body.contains("b0") && !body.contains(".test") && !body.contains(KEY),
+        "{body}"
+    );
+    // Matched by the glob, but no backend of the pool serves it: 404 too.
+    let (status, _, _) = gw.chat_model("gpt-4o-mini").await;
+    assert_eq!(status, 404);
+    assert!(gw.fake.calls().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn fallback_model_serves_when_every_backend_of_the_model_is_cooling() {
+    let gw = gateway(
+        &[
+            "deployments = { \"gpt-4o\" = \"gpt4o-a\" }",
+            "deployments = { \"gpt-4o\" = \"gpt4o-b\" }",
+            "deployments = { \"gpt-4o-mini\" = \"mini-c\" }",
+        ],
+        r#"
+[[routes]]
+models = ["gpt-4o"]
+backends = ["b0", "b1"]
+fallback = ["gpt-4o-mini"]
+
+[[routes]]
+models = ["gpt-4o-mini"]
+backends = ["b2"]
+"#,
+    );
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "60")]);
+    gw.fake
+        .script("b1", vec![st(429).header("retry-after", "60")]);
+    let (status, headers, _) = gw.chat_model("gpt-4o").await;
+    assert_eq!(status, 200);
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b2");
+    assert_eq!(h(&headers, "x-spillgate-model"), "gpt-4o-mini");
+    let last = gw.fake.calls().pop().unwrap();
+    let sent: serde_json::Value = serde_json::from_slice(&last.body).unwrap();
+    assert_eq!(
+        sent["model"], "mini-c",
+        "the model name is rewritten for the fallback"
+    );
+    // Azure-shaped clients get the fallback deployment in the path.
+    let (status, headers, _) = gw
+        .send(
+            "/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21",
+            CHAT,
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(h(&headers, "x-spillgate-model"), "gpt-4o-mini");
+    assert_eq!(
+        gw.fake.calls().pop().unwrap().path,
+        "/openai/deployments/mini-c/chat/completions?api-version=2024-10-21"
+    );
+}
