@@ -84,3 +84,20 @@ def test_gateway_refuses_to_start_on_an_invalid_config(tmp_path: Path, spillgate
     assert out.returncode == 2
     assert "backends[1].priority: must be >= 1, got 0" in out.stderr
     assert "listening" not in out.stdout
+
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.toml")) + [REPO / "spillgate.example.toml"]
+
+
+def test_every_shipped_example_config_is_valid(spillgate_bin: Path) -> None:
+    """The files users copy must load: each is checked with its env: variables set."""
+    import re
+
+    assert len(EXAMPLES) >= 4
+    for path in EXAMPLES:
+        text = path.read_text("utf-8")
+        env = child_env({var: f"value-of-{var}" for var in re.findall(r'"env:([A-Z0-9_]+)"', text)})
+        result = check(spillgate_bin, path, env)
+        assert result.returncode == 0, f"{path.name}: {result.stderr}"
+        assert "route" in result.stdout, result.stdout
