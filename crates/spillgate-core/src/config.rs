@@ -221,6 +221,7 @@ pub struct FileCooldown {
     pub max: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub max_jitter: Option<Duration>,
+    pub on: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -372,8 +373,11 @@ pub struct Timeouts {
     pub idle: Duration,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CooldownPolicy {
+    /// Outcomes that cool a backend (the others fail over, per the retry policy, without
+    /// taking the backend out for other requests).
+    pub on: ConditionSet,
     pub default_429: Duration,
     pub default_5xx: Duration,
     pub default_connect: Duration,
@@ -559,6 +563,7 @@ impl Default for Timeouts {
 impl Default for CooldownPolicy {
     fn default() -> Self {
         CooldownPolicy {
+            on: ConditionSet::default_failover(),
             default_429: Duration::from_secs(10),
             default_5xx: Duration::from_secs(10),
             default_connect: Duration::from_secs(10),
@@ -1161,6 +1166,10 @@ fn validate(
     // [cooldown]
     let d = CooldownPolicy::default();
     let cooldown = CooldownPolicy {
+        on: file.cooldown.on.as_ref().map_or_else(
+            || d.on.clone(),
+            |c| conditions(c, "cooldown.on", &mut errors),
+        ),
         default_429: file.cooldown.default_429.unwrap_or(d.default_429),
         default_5xx: file.cooldown.default_5xx.unwrap_or(d.default_5xx),
         default_connect: file.cooldown.default_connect.unwrap_or(d.default_connect),

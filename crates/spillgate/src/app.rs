@@ -6,7 +6,8 @@
 //! string building for it. The snapshot sits behind `ArcSwap`: requests read it without a
 //! lock, and a reload can swap it while in-flight requests finish on the old one.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
@@ -16,6 +17,8 @@ use spillgate_core::config::{AuthConfig, BackendConfig, BackendKind, Config};
 use spillgate_core::retry::RetryBudget;
 
 use crate::auth::ClientKeys;
+use spillgate_core::outcome::Cooldown;
+
 use crate::state::{BackendState, Clock};
 use crate::upstream::{Upstream, UpstreamClient};
 
@@ -32,11 +35,83 @@ pub struct BackendRt {
     pub credential: Option<(HeaderName, HeaderValue)>,
     /// `x-spillgate-backend` value, built once.
     pub name_header: HeaderValue,
+    /// The resource as a whole: connection failures, breaker trips, health checks.
     pub state: Arc<BackendState>,
+    /// Each deployment on it: Azure enforces quota per deployment, so a 429 (or 5xx)
+    /// from one deployment must not idle the others.
+    pub deployments: Arc<DeploymentStates>,
+}
+
+/// Most deployments tracked per backend. A backend without a `deployments` map serves
+/// whatever model names clients send; past this many, further names share one state, so
+/// a client cannot grow the map without bound.
+const MAX_TRACKED_DEPLOYMENTS: usize = 256;
+
+/// Live state per deployment name of one backend.
+#[derive(Debug, Default)]
+pub struct DeploymentStates {
+    by_name: RwLock<HashMap<String, Arc<BackendState>>>,
+    overflow: Arc<BackendState>,
+}
+
+impl DeploymentStates {
+    fn with_names<'a>(names: impl Iterator<Item = &'a str>) -> DeploymentStates {
+        let by_name = names
+            .map(|n| (n.to_string(), Arc::new(BackendState::default())))
+            .collect();
+        DeploymentStates {
+            by_name: RwLock::new(by_name),
+            overflow: Arc::new(BackendState::default()),
+        }
+    }
+
+    /// The state of deployment `name`, created on first use.
+    pub fn get(&self, name: &str) -> Arc<BackendState> {
+        if let Ok(map) = self.by_name.read() {
+            if let Some(s) = map.get(name) {
+                return Arc::clone(s);
+            }
+        }
+        match self.by_name.write() {
+            Ok(mut map) => {
+                if let Some(s) = map.get(name) {
+                    return Arc::clone(s);
+                }
+                if map.len() >= MAX_TRACKED_DEPLOYMENTS {
+                    return Arc::clone(&self.overflow);
+                }
+                let s = Arc::new(BackendState::default());
+                map.insert(name.to_string(), Arc::clone(&s));
+                s
+            }
+            Err(_) => Arc::clone(&self.overflow),
+        }
+    }
+
+    /// Every tracked deployment and its state, sorted by name.
+    pub fn all(&self) -> Vec<(String, Arc<BackendState>)> {
+        let mut v: Vec<_> = self
+            .by_name
+            .read()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), Arc::clone(v))).collect())
+            .unwrap_or_default();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    fn add_names<'a>(&self, names: impl Iterator<Item = &'a str>) {
+        for n in names {
+            let _ = self.get(n);
+        }
+    }
 }
 
 impl BackendRt {
-    fn new(cfg: BackendConfig, state: Arc<BackendState>) -> anyhow::Result<BackendRt> {
+    fn new(
+        cfg: BackendConfig,
+        state: Arc<BackendState>,
+        deployments: Arc<DeploymentStates>,
+    ) -> anyhow::Result<BackendRt> {
         let uri: http::Uri = cfg
             .url
             .parse()
@@ -80,7 +155,28 @@ impl BackendRt {
             credential,
             name_header,
             state,
+            deployments,
         })
+    }
+
+    /// The state of the deployment that serves `model` here.
+    pub fn deployment_state(&self, model: &str) -> Option<Arc<BackendState>> {
+        self.cfg
+            .deployment_for(model)
+            .map(|d| self.deployments.get(d))
+    }
+
+    /// When `model` on this backend can take traffic again: the later of the resource's
+    /// and the deployment's cooldowns.
+    pub fn cooldown_for(&self, model: &str, now_ms: u64) -> Option<Cooldown> {
+        let resource = self.state.cooldown(now_ms);
+        let deployment = self
+            .deployment_state(model)
+            .and_then(|d| d.cooldown(now_ms));
+        match (resource, deployment) {
+            (Some(a), Some(b)) => Some(if b.until_ms > a.until_ms { b } else { a }),
+            (a, b) => a.or(b),
+        }
     }
 }
 
@@ -108,15 +204,25 @@ impl Snapshot {
             .backends
             .iter()
             .map(|b| {
-                let state = previous
-                    .and_then(|p| p.backends.iter().find(|o| o.cfg.name == b.name))
-                    .map(|o| Arc::clone(&o.state))
-                    .unwrap_or_else(|| {
+                let known = || {
+                    b.deployments
+                        .iter()
+                        .flat_map(|m| m.values().map(String::as_str))
+                };
+                let old = previous.and_then(|p| p.backends.iter().find(|o| o.cfg.name == b.name));
+                let (state, deployments) = match old {
+                    Some(old) => {
+                        old.deployments.add_names(known());
+                        (Arc::clone(&old.state), Arc::clone(&old.deployments))
+                    }
+                    None => (
                         Arc::new(BackendState::new(
                             b.breaker.as_ref().map(|c| c.policy.window),
-                        ))
-                    });
-                BackendRt::new(b.clone(), state)
+                        )),
+                        Arc::new(DeploymentStates::with_names(known())),
+                    ),
+                };
+                BackendRt::new(b.clone(), state, deployments)
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let client_keys = match &config.auth {
@@ -148,6 +254,8 @@ pub struct App {
     pub snapshot: ArcSwap<Snapshot>,
     pub upstream: Arc<dyn Upstream>,
     pub clock: Clock,
+    /// Set when shutdown starts: readiness turns false so load balancers stop sending.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl App {
@@ -164,6 +272,16 @@ impl App {
             snapshot: ArcSwap::from_pointee(snapshot),
             upstream,
             clock: Clock::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
         }))
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn start_draining(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 }

@@ -23,7 +23,6 @@ use hyper_util::rt::TokioExecutor;
 use spillgate_mock::{Limits, MockBackend, MockConfig};
 
 use crate::app::App;
-use crate::state::Availability;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
@@ -307,12 +306,13 @@ async fn drive_load(
                     p1_served += served;
                 }
                 all_served += served;
-                let state = match b.state.availability(now) {
-                    Availability::Ready => "ready".to_string(),
-                    Availability::Cooling { until_ms, reason } => format!(
+                // The state of the demo model's deployment on this backend.
+                let state = match b.cooldown_for("gpt-4o", now) {
+                    None => "ready".to_string(),
+                    Some(c) => format!(
                         "COOLING {}ms ({})",
-                        until_ms.saturating_sub(now),
-                        reason.map_or("?", |r| r.as_str())
+                        c.until_ms.saturating_sub(now),
+                        c.reason.as_str()
                     ),
                 };
                 let bar = "#".repeat(usize::try_from(served / 2).unwrap_or(0).min(40));

@@ -29,7 +29,8 @@ use tower_http::timeout::TimeoutBody;
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::errors::GatewayError;
-use crate::state::{Probe, ProbeGuard};
+use crate::state::{BackendState, Probe, ProbeGuard};
+use crate::upstream::AttemptError;
 
 pub const HEADER_BACKEND: &str = "x-spillgate-backend";
 pub const HEADER_ATTEMPTS: &str = "x-spillgate-attempts";
@@ -369,19 +370,54 @@ enum Next {
         model: usize,
         tries: u32,
         wait: Duration,
-        probe: Option<ProbeGuard>,
+        probe: Probes,
     },
 }
 
+/// The probe slots an attempt holds (resource and deployment level). Held only for
+/// their `Drop`, which frees the slots when the attempt is over.
+#[derive(Debug, Default)]
+struct Probes {
+    _resource: Option<ProbeGuard>,
+    _deployment: Option<ProbeGuard>,
+}
+
+/// Takes the probe slots a recovering resource or deployment needs, or `None` when
+/// another request is probing either.
+fn take_probes(backend: &BackendRt, deployment: &Arc<BackendState>) -> Option<Probes> {
+    let resource = match backend.state.acquire_probe() {
+        Probe::NotNeeded => None,
+        Probe::Acquired(g) => Some(g),
+        Probe::Busy => return None,
+    };
+    let dep = match deployment.acquire_probe() {
+        Probe::NotNeeded => None,
+        Probe::Acquired(g) => Some(g),
+        Probe::Busy => return None,
+    };
+    Some(Probes {
+        _resource: resource,
+        _deployment: dep,
+    })
+}
+
+fn usable(backend: &BackendRt, model: &str, now: u64) -> bool {
+    backend.state.is_usable(now)
+        && backend
+            .deployment_state(model)
+            .is_some_and(|d| d.is_usable(now))
+}
+
 /// Picks the next backend over the candidate models in order: the requested model's pool
-/// first, then each fallback's. A recovering backend is taken only with its probe slot.
+/// first, then each fallback's. A recovering backend (or deployment) is taken only with
+/// its probe slot.
 fn select_backend(
     ctx: &Ctx<'_>,
     chain: &[Candidate<'_>],
     tried: &[BackendId],
     now: u64,
     rng: &mut fastrand::Rng,
-) -> Option<(BackendId, usize, Option<ProbeGuard>)> {
+) -> Option<(BackendId, usize, Probes)> {
     let backends = &ctx.snap.backends;
     let mut busy: Vec<BackendId> = Vec::new();
     for (ci, c) in chain.iter().enumerate() {
@@ -391,38 +427,66 @@ fn select_backend(
                 |id| {
                     !tried.contains(&id)
                         && !busy.contains(&id)
-                        && backends[id].cfg.deployment_for(c.model).is_some()
-                        && backends[id].state.is_usable(now)
+                        && usable(&backends[id], c.model, now)
                 },
                 rng,
             );
             let Some(id) = pick else { break };
-            match backends[id].state.acquire_probe() {
-                Probe::NotNeeded => return Some((id, ci, None)),
-                Probe::Acquired(guard) => return Some((id, ci, Some(guard))),
-                // Another request took the probe slot between the check and now.
-                Probe::Busy => busy.push(id),
+            let Some(dep) = backends[id].deployment_state(c.model) else {
+                busy.push(id);
+                continue;
+            };
+            match take_probes(&backends[id], &dep) {
+                Some(probes) => return Some((id, ci, probes)),
+                // Another request took a probe slot between the check and now.
+                None => busy.push(id),
             }
         }
     }
     None
 }
 
-/// Untried members serving their candidate model, over the whole chain.
-fn chain_members<'a>(
+/// Every `(backend, model)` pair that could serve the request: the pool of the requested
+/// model, then the pools of its fallbacks, each member serving its model.
+fn candidates<'a>(
     ctx: &'a Ctx<'_>,
     chain: &'a [Candidate<'_>],
-    tried: &'a [BackendId],
 ) -> impl Iterator<Item = (BackendId, usize)> + 'a {
     chain.iter().enumerate().flat_map(move |(ci, c)| {
         ctx.snap.config.table.routes[c.route]
             .pool
             .members()
-            .filter(move |id| {
-                !tried.contains(id) && ctx.snap.backends[*id].cfg.deployment_for(c.model).is_some()
-            })
+            .filter(move |id| ctx.snap.backends[*id].cfg.deployment_for(c.model).is_some())
             .map(move |id| (id, ci))
     })
+}
+
+/// The fallback chain of a request: its model and route, then each fallback model that
+/// some route serves.
+fn fallback_chain<'a>(ctx: &'a Ctx<'_>) -> Vec<Candidate<'a>> {
+    let table = &ctx.snap.config.table;
+    let route = &table.routes[ctx.route_id];
+    std::iter::once(Candidate {
+        model: &ctx.req.model,
+        route: ctx.route_id,
+    })
+    .chain(route.fallback.iter().filter_map(|f| {
+        table
+            .route_for(f, &ctx.snap.config.backends)
+            .map(|route| Candidate { model: f, route })
+    }))
+    .collect()
+}
+
+/// Reads and drops what is left of a response the client will not get, so its
+/// connection can go back to the pool (bounded in size and time, off the request path).
+fn discard(response: Option<http::Response<Body>>) {
+    if let Some(r) = response {
+        tokio::spawn(async move {
+            let body = Limited::new(r.into_body(), 64 * 1024);
+            let _ = tokio::time::timeout(Duration::from_secs(1), body.collect()).await;
+        });
+    }
 }
 
 /// Tries backends until one gives an answer the route's retry policy does not retry.
@@ -431,20 +495,11 @@ fn chain_members<'a>(
 async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let snap = ctx.snap;
     let app = ctx.app;
-    let table = &snap.config.table;
-    let route = &table.routes[ctx.route_id];
+    let route = &snap.config.table.routes[ctx.route_id];
     let policy = &route.retry;
     let routing = snap.config.routing;
-    let chain: Vec<Candidate<'_>> = std::iter::once(Candidate {
-        model: &ctx.req.model,
-        route: ctx.route_id,
-    })
-    .chain(route.fallback.iter().filter_map(|f| {
-        table
-            .route_for(f, &snap.config.backends)
-            .map(|route| Candidate { model: f, route })
-    }))
-    .collect();
+    let first_byte = snap.config.timeouts.first_byte;
+    let chain = fallback_chain(ctx);
     let deadline = route.deadline.or(routing.deadline);
     let deadline_at = deadline.map(|d| ctx.started + d);
     let max_attempts = routing.max_attempts.unwrap_or(u32::MAX);
@@ -479,7 +534,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             return give_up(attempts, failures, last_answer);
         }
         let now = app.clock.now_ms();
-        let (id, ci, tries_before, _probe, forced) = match std::mem::replace(
+        let (id, ci, tries_before, probes, forced) = match std::mem::replace(
             &mut next,
             Next::Select,
         ) {
@@ -494,19 +549,22 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 (backend, model, tries, probe, false)
             }
             Next::Select => match select_backend(ctx, &chain, &tried, now, &mut rng) {
-                Some((id, ci, probe)) => (id, ci, 0, probe, false),
+                Some((id, ci, probes)) => (id, ci, 0, probes, false),
                 None => {
                     // Every untried candidate is cooling down (or none is left).
-                    let soonest = chain_members(ctx, &chain, &tried)
-                        .filter_map(|(id, _)| {
-                            snap.backends[id].state.cooldown(now).map(|c| c.until_ms)
-                        })
+                    let soonest = candidates(ctx, &chain)
+                        .filter(|(id, _)| !tried.contains(id))
+                        .filter_map(|(id, ci)| snap.backends[id].cooldown_for(chain[ci].model, now))
+                        .map(|c| c.until_ms)
                         .min();
                     match (routing.when_all_cooling, soonest) {
                         (_, None) | (AllCoolingPolicy::Reject, _) => {
                             return give_up(attempts, failures, last_answer)
                         }
                         (AllCoolingPolicy::Wait, Some(until)) => {
+                            // Waiters are spread over up to 100 ms after the recovery so
+                            // they do not all arrive in the same instant.
+                            let until = until + rng.u64(0..100);
                             let wait = Duration::from_millis(until.saturating_sub(now));
                             let within_deadline = remaining.is_none_or(|r| wait < r);
                             if waited + wait > routing.max_wait || !within_deadline {
@@ -518,8 +576,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                             continue;
                         }
                         (AllCoolingPolicy::ForwardFirst, Some(_)) => {
-                            match chain_members(ctx, &chain, &tried).next() {
-                                Some((id, ci)) => (id, ci, 0, None, true),
+                            match candidates(ctx, &chain).find(|(id, _)| !tried.contains(id)) {
+                                Some((id, ci)) => (id, ci, 0, Probes::default(), true),
                                 None => return give_up(attempts, failures, last_answer),
                             }
                         }
@@ -552,6 +610,10 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         }
         let backend = &snap.backends[id];
         let model = chain[ci].model;
+        let Some(deployment) = backend.deployment_state(model) else {
+            failures.push(Outcome::ConnectError);
+            continue;
+        };
 
         let upstream_req = match build_upstream_request(backend, model, ctx, &mut lazy_body_info) {
             Ok(r) => r,
@@ -561,15 +623,17 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 continue;
             }
         };
-        let timeout = remaining.map_or(snap.config.timeouts.first_byte, |r| {
-            r.min(snap.config.timeouts.first_byte)
-        });
+        // The deadline may cut the first-byte timeout short; when it is what fires, the
+        // request is over, and the backend is not to blame.
+        let deadline_bound = remaining.is_some_and(|r| r < first_byte);
+        let timeout = remaining.map_or(first_byte, |r| r.min(first_byte));
         let result = app.upstream.send(upstream_req, timeout).await;
         let now = app.clock.now_ms();
         let (attempt, outcome, hint, response) = match result {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 backend.state.set_last_status(status);
+                deployment.set_last_status(status);
                 let hint = retry_hint(|n| resp.headers().get(n).and_then(|v| v.to_str().ok()), now)
                     .map(|h| h.min(snap.config.cooldown.max));
                 (
@@ -578,6 +642,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     hint,
                     Some(resp),
                 )
+            }
+            Err(AttemptError::FirstByteTimeout(_)) if deadline_bound => {
+                tracing::info!(backend = %backend.cfg.name, model, "request deadline reached while waiting for the backend");
+                return Ended::DeadlineExceeded {
+                    attempts,
+                    deadline: deadline.unwrap_or_default(),
+                };
             }
             Err(e) => {
                 backend.state.set_last_status(0);
@@ -594,87 +665,84 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         if !outcome.fails_over() {
             // It answered (a success or the client's own error): fully back.
             backend.state.recovered();
+            deployment.recovered();
         }
 
         let step = if forced {
             Step::Return
         } else {
-            policy.next(attempt, hint, tries_before + 1, attempts - 1, rng.f64())
+            match policy.next(attempt, hint, tries_before + 1, attempts - 1, rng.f64()) {
+                // A wait that would outlast the deadline: move on instead.
+                Step::RetrySame(wait) if remaining.is_some_and(|r| wait >= r) => Step::Switch,
+                s => s,
+            }
         };
         // A backend retried for this same request is not cooled yet: it is cooled when the
         // request gives up on it.
         if !matches!(step, Step::RetrySame(_)) {
             if let Some(reason) = CoolReason::from_outcome(outcome) {
-                cool(
-                    backend,
-                    reason,
-                    hint,
-                    now,
-                    &snap.config.cooldown,
-                    response.as_ref().map(|r| r.status().as_u16()),
-                    &mut rng,
-                );
+                if snap.config.cooldown.on.matches(attempt) {
+                    // Throttling and errors are the deployment's; a failed connection is
+                    // the whole resource's.
+                    let target = if reason == CoolReason::ConnectError {
+                        &backend.state
+                    } else {
+                        &deployment
+                    };
+                    cool(
+                        backend,
+                        model,
+                        target,
+                        reason,
+                        hint,
+                        now,
+                        &snap.config.cooldown,
+                        response.as_ref().map(|r| r.status().as_u16()),
+                        &mut rng,
+                    );
+                }
             }
         }
         match step {
+            // Not retried, or retries used up: the backend's own answer goes back (as
+            // APIM's retry policy returns its last response).
             Step::Return | Step::GiveUp => match response {
-                Some(response) if step == Step::Return || !outcome.fails_over() => {
+                Some(response) => {
                     return Ended::Served {
                         backend: id,
                         model: ci,
                         attempts,
                         response,
                     }
-                }
-                Some(response) => {
-                    // Retries used up on a 429/5xx: the backend's own answer goes back,
-                    // as APIM's retry policy returns its last response.
-                    return Ended::Served {
-                        backend: id,
-                        model: ci,
-                        attempts,
-                        response,
-                    };
                 }
                 None => {
                     failures.push(outcome);
-                    if step == Step::GiveUp {
-                        return give_up(attempts, failures, last_answer);
-                    }
+                    return give_up(attempts, failures, last_answer);
                 }
             },
             Step::Switch => {
                 failures.push(outcome);
-                last_answer = match response {
-                    Some(r) if !outcome.fails_over() => Some((id, ci, r)),
-                    _ => None,
-                };
+                match response {
+                    Some(r) if !outcome.fails_over() => {
+                        discard(last_answer.take().map(|(_, _, r)| r));
+                        last_answer = Some((id, ci, r));
+                    }
+                    other => {
+                        discard(other);
+                        discard(last_answer.take().map(|(_, _, r)| r));
+                    }
+                }
             }
             Step::RetrySame(wait) => {
-                if remaining.is_some_and(|r| wait >= r) {
-                    // The wait would outlast the deadline: move on instead.
-                    if let Some(reason) = CoolReason::from_outcome(outcome) {
-                        cool(
-                            backend,
-                            reason,
-                            hint,
-                            now,
-                            &snap.config.cooldown,
-                            response.as_ref().map(|r| r.status().as_u16()),
-                            &mut rng,
-                        );
-                    }
-                    failures.push(outcome);
-                } else {
-                    tracing::debug!(backend = %backend.cfg.name, wait_ms = wait.as_millis() as u64, tries = tries_before + 1, "retrying the same backend");
-                    next = Next::Same {
-                        backend: id,
-                        model: ci,
-                        tries: tries_before + 1,
-                        wait,
-                        probe: _probe,
-                    };
-                }
+                discard(response);
+                tracing::debug!(backend = %backend.cfg.name, wait_ms = wait.as_millis() as u64, tries = tries_before + 1, "retrying the same backend");
+                next = Next::Same {
+                    backend: id,
+                    model: ci,
+                    tries: tries_before + 1,
+                    wait,
+                    probe: probes,
+                };
             }
         }
     }
@@ -758,8 +826,14 @@ fn jitter(
     Duration::from_millis(rng.u64(0..=millis(cap)))
 }
 
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one log line needs every field; a struct would only rename them"
+)]
 fn cool(
     backend: &BackendRt,
+    model: &str,
+    target: &BackendState,
     reason: CoolReason,
     hint: Option<Duration>,
     now: u64,
@@ -769,9 +843,16 @@ fn cool(
 ) {
     let d = cooldown_duration(reason, hint, policy);
     let until_ms = now.saturating_add(millis(d + jitter(d, policy, rng)));
-    let extended = backend.state.cool(Cooldown { until_ms, reason });
+    let extended = target.cool(Cooldown { until_ms, reason });
+    let scope = if std::ptr::eq(target, &*backend.state) {
+        "backend"
+    } else {
+        "deployment"
+    };
     tracing::info!(
         backend = %backend.cfg.name,
+        deployment = backend.cfg.deployment_for(model).unwrap_or(model),
+        scope,
         reason = reason.as_str(),
         status = status.unwrap_or(0),
         cooldown_ms = millis(d),
@@ -951,42 +1032,38 @@ fn unreachable_served() -> (u32, GatewayError) {
     )
 }
 
-/// Members of the request's pool and its fallbacks' pools.
-fn all_members(ctx: &Ctx<'_>) -> Vec<BackendId> {
-    let table = &ctx.snap.config.table;
-    let route = &table.routes[ctx.route_id];
-    let mut ids: Vec<BackendId> = route.pool.members().collect();
-    for f in &route.fallback {
-        if let Some(r) = table.route_for(f, &ctx.snap.config.backends) {
-            ids.extend(table.routes[r].pool.members());
+/// The cooldowns of every candidate of the request (its pool and its fallbacks'), with
+/// the number of candidates.
+fn candidate_cooldowns(ctx: &Ctx<'_>, now_ms: u64) -> (usize, Vec<Cooldown>) {
+    let chain = fallback_chain(ctx);
+    let mut n = 0;
+    let mut cooldowns = Vec::new();
+    for (id, ci) in candidates(ctx, &chain) {
+        n += 1;
+        if let Some(c) = ctx.snap.backends[id].cooldown_for(chain[ci].model, now_ms) {
+            cooldowns.push(c);
         }
     }
-    ids.sort_unstable();
-    ids.dedup();
-    ids
+    (n, cooldowns)
 }
 
-/// Time until the soonest cooldown in the request's pools ends; 1 s when none is cooling.
+/// Time until the soonest cooldown among the request's candidates ends; 1 s when none is
+/// cooling.
 fn soonest_recovery(ctx: &Ctx<'_>, now_ms: u64) -> Duration {
-    all_members(ctx)
+    candidate_cooldowns(ctx, now_ms)
+        .1
         .iter()
-        .filter_map(|id| ctx.snap.backends[*id].state.cooldown(now_ms))
         .map(|c| c.until_ms - now_ms)
         .min()
         .map_or(Duration::from_secs(1), Duration::from_millis)
 }
 
 /// The answer when no backend could serve: 429 when throttling is all there is, 503 when
-/// some backend failed; `Retry-After` is the soonest recovery in the request's pools.
+/// some backend failed; `Retry-After` is the soonest recovery among the candidates.
 fn exhausted_error(ctx: &Ctx<'_>, failures: &[Outcome], now_ms: u64) -> GatewayError {
-    let members = all_members(ctx);
-    let cooldowns: Vec<Cooldown> = members
-        .iter()
-        .filter_map(|id| ctx.snap.backends[*id].state.cooldown(now_ms))
-        .collect();
+    let (n, cooldowns) = candidate_cooldowns(ctx, now_ms);
     let throttled_only = failures.iter().all(|o| *o == Outcome::Throttled)
         && cooldowns.iter().all(|c| c.reason == CoolReason::Throttled);
-    let n = members.len();
     let model = &ctx.req.model;
     let err = if throttled_only {
         GatewayError::new(

@@ -33,37 +33,60 @@ async fn healthz() -> impl IntoResponse {
     Json(serde_json::json!({"status": "ok"}))
 }
 
-/// Ready when at least one backend can take traffic now. Lists backend names and states
-/// only: no URLs, no keys.
+fn state_json(state: &crate::state::BackendState, now: u64) -> serde_json::Value {
+    match state.availability(now) {
+        Availability::Ready if state.is_recovering() => serde_json::json!({"state": "probing"}),
+        Availability::Ready => serde_json::json!({"state": "ready"}),
+        Availability::Cooling { until_ms, reason } => serde_json::json!({
+            "state": "cooling",
+            "reason": reason.map(|r| r.as_str()),
+            "cooling_ms": until_ms.saturating_sub(now),
+        }),
+    }
+}
+
+/// Readiness for a load balancer: the gateway answers requests (even when every backend
+/// is throttled it answers 429 with `Retry-After`, which clients need to see, so cooling
+/// backends do not make it unready). The body lists each backend's state and its
+/// deployments' states: names only, no URLs or keys.
 async fn readyz(State(app): State<Arc<App>>) -> Response {
     let snap = app.snapshot.load();
     let now = app.clock.now_ms();
-    let mut any_ready = false;
     let backends: Vec<_> = snap
         .backends
         .iter()
-        .map(|b| match b.state.availability(now) {
-            Availability::Ready => {
-                any_ready = true;
-                serde_json::json!({"name": &*b.cfg.name, "priority": b.cfg.priority, "state": "ready"})
-            }
-            Availability::Cooling { until_ms, reason } => serde_json::json!({
-                "name": &*b.cfg.name,
-                "priority": b.cfg.priority,
-                "state": "cooling",
-                "reason": reason.map(|r| r.as_str()),
-                "cooling_ms": until_ms.saturating_sub(now),
-            }),
+        .map(|b| {
+            let mut v = state_json(&b.state, now);
+            v["name"] = serde_json::json!(&*b.cfg.name);
+            v["priority"] = serde_json::json!(b.cfg.priority);
+            v["deployments"] = b
+                .deployments
+                .all()
+                .iter()
+                .map(|(name, st)| {
+                    let mut d = state_json(st, now);
+                    d["name"] = serde_json::json!(name);
+                    d
+                })
+                .collect();
+            v
         })
         .collect();
-    let status = if any_ready {
-        StatusCode::OK
-    } else {
+    let any_ready = snap.backends.iter().any(|b| b.state.is_ready(now));
+    let draining = app.draining();
+    let status = if draining {
         StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
     };
     (
         status,
-        Json(serde_json::json!({"ready": any_ready, "backends": backends})),
+        Json(serde_json::json!({
+            "ready": !draining,
+            "draining": draining,
+            "any_backend_ready": any_ready,
+            "backends": backends,
+        })),
     )
         .into_response()
 }

@@ -445,7 +445,11 @@ async fn retry_after_http_date_sets_the_cooldown() {
     assert_eq!(env.chat().await.0, 200);
     let snap = env.gw.app.snapshot.load();
     let now = env.gw.app.clock.now_ms();
-    let left = snap.backends[0].state.cooldown(now).unwrap().until_ms - now;
+    let left = snap.backends[0]
+        .cooldown_for("gpt-4o", now)
+        .unwrap()
+        .until_ms
+        - now;
     assert!(
         (38_000..=41_000).contains(&left),
         "40 s plus at most 1 s of jitter: {left}"
@@ -468,8 +472,7 @@ async fn garbage_retry_after_uses_the_default_and_huge_is_clamped() {
     let now = env.gw.app.clock.now_ms();
     let left = |i: usize| {
         snap.backends[i]
-            .state
-            .cooldown(now)
+            .cooldown_for("gpt-4o", now)
             .map(|c| c.until_ms - now)
             .unwrap_or(0)
     };
@@ -730,12 +733,24 @@ async fn health_and_readiness() {
     assert_eq!(json(&body)["backends"][0]["state"], "ready");
     env.mocks[0].push_script(vec![Reply::throttled(30)]);
     assert_eq!(env.chat().await.0, 429);
+    // Still ready: the gateway answers (429 with Retry-After) even when every backend is
+    // throttled; the throttled deployment shows in the body.
+    let (s, _, body) = env.send(get("/readyz"), "").await;
+    assert_eq!(s, 200);
+    let v = json(&body);
+    assert_eq!(v["ready"], true);
+    assert_eq!(v["any_backend_ready"], true);
+    assert_eq!(v["backends"][0]["state"], "ready");
+    let dep = &v["backends"][0]["deployments"][0];
+    assert_eq!(dep["name"], "gpt-4o");
+    assert_eq!(dep["state"], "cooling");
+    assert_eq!(dep["reason"], "429");
+    assert!(!v.to_string().contains("127.0.0.1"));
+    // Draining (shutdown has begun): not ready, so load balancers stop sending.
+    env.gw.app.start_draining();
     let (s, _, body) = env.send(get("/readyz"), "").await;
     assert_eq!(s, 503);
-    let v = json(&body);
-    assert_eq!(v["backends"][0]["state"], "cooling");
-    assert_eq!(v["backends"][0]["reason"], "429");
-    assert!(!v.to_string().contains("127.0.0.1"));
+    assert_eq!(json(&body)["draining"], true);
 }
 
 // ---------------------------------------------------------------------------------------

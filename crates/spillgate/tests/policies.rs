@@ -701,3 +701,105 @@ backends = ["b2"]
         "/openai/deployments/mini-c/chat/completions?api-version=2024-10-21"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// What a failure takes out, and for whom
+// ---------------------------------------------------------------------------------------
+
+const TWO_DEPLOYMENTS: &str =
+    "priority = 1\ndeployments = { \"gpt-4o\" = \"chat\", \"emb\" = \"emb\" }";
+
+#[tokio::test(start_paused = true)]
+async fn a_429_cools_only_that_deployment_not_the_resource() {
+    let gw = gateway(&[TWO_DEPLOYMENTS, "priority = 2"], "");
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "30")]);
+    let (_, headers, _) = gw.chat_model("emb").await;
+    assert_eq!(
+        h(&headers, "x-spillgate-backend"),
+        "b1",
+        "emb throttled on b0"
+    );
+    // Azure's quota is per deployment: b0's chat deployment still has its own.
+    let (_, headers, _) = gw.chat_model("gpt-4o").await;
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
+    let (_, headers, _) = gw.chat_model("emb").await;
+    assert_eq!(
+        h(&headers, "x-spillgate-backend"),
+        "b1",
+        "emb still cooling"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_failure_cools_the_whole_resource() {
+    let gw = gateway(&[TWO_DEPLOYMENTS, "priority = 2"], "");
+    gw.fake.script("b0", vec![st(0)]);
+    let (_, headers, _) = gw.chat_model("emb").await;
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    let (_, headers, _) = gw.chat_model("gpt-4o").await;
+    assert_eq!(
+        h(&headers, "x-spillgate-backend"),
+        "b1",
+        "the resource is unreachable"
+    );
+    assert_eq!(gw.fake.hits("b0"), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deadline_that_fires_does_not_blame_the_backend() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[routing]\ndeadline = \"1s\"\n",
+    );
+    gw.fake
+        .script("b0", vec![ok().delay(Duration::from_secs(2))]);
+    let (status, _, body) = gw.chat().await;
+    assert_eq!(status, 504, "{body}");
+    let snap = gw.app.snapshot.load();
+    assert_eq!(
+        snap.backends[0].cooldown_for("gpt-4o", gw.app.clock.now_ms()),
+        None
+    );
+    let (_, headers, _) = gw.chat().await;
+    assert_eq!(
+        h(&headers, "x-spillgate-backend"),
+        "b0",
+        "b0 was never cooled"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn cooldown_on_decides_which_failures_take_a_backend_out() {
+    // Plain 500s fail over but do not take the backend out for everyone else.
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[cooldown]\non = [\"429\", \"502\", \"503\", \"504\", \"connect-error\"]\n",
+    );
+    gw.fake.script("b0", vec![st(500)]);
+    let (_, headers, _) = gw.chat().await;
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    let (_, headers, _) = gw.chat().await;
+    assert_eq!(
+        h(&headers, "x-spillgate-backend"),
+        "b0",
+        "a 500 did not cool b0"
+    );
+    gw.fake.script("b0", vec![st(503)]);
+    gw.chat().await;
+    let (_, headers, _) = gw.chat().await;
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b1", "a 503 did");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connect_error_outside_the_retry_condition_ends_the_request() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[retry]\ncondition = [\"429\"]\n",
+    );
+    gw.fake.script("b0", vec![st(0)]);
+    let (status, headers, body) = gw.chat().await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(h(&headers, "x-spillgate-attempts"), "1");
+    assert_eq!(gw.fake.hits("b1"), 0);
+}
