@@ -179,6 +179,9 @@ pub struct FileServer {
     pub max_body_bytes: Option<u64>,
     pub max_header_bytes: Option<u64>,
     pub max_headers: Option<u64>,
+    pub max_connections: Option<u64>,
+    #[serde(default, with = "humantime_serde")]
+    pub drain_timeout: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -200,6 +203,10 @@ pub enum AuthMode {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileTimeouts {
+    #[serde(default, with = "humantime_serde")]
+    pub client_header: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub client_body: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub connect: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
@@ -350,6 +357,10 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     pub max_header_bytes: usize,
     pub max_headers: usize,
+    /// Open client connections at most; further ones wait in the accept queue.
+    pub max_connections: usize,
+    /// On shutdown, how long in-flight requests and streams may take to finish.
+    pub drain_timeout: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -368,6 +379,10 @@ pub struct ClientKey {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timeouts {
+    /// A client must send its request head within this.
+    pub client_header: Duration,
+    /// A client must send its whole body within this (408 otherwise).
+    pub client_body: Duration,
     pub connect: Duration,
     pub first_byte: Duration,
     pub idle: Duration,
@@ -551,6 +566,8 @@ pub const DEFAULT_MAX_HEADERS: u64 = 100;
 impl Default for Timeouts {
     fn default() -> Self {
         Timeouts {
+            client_header: Duration::from_secs(30),
+            client_body: Duration::from_secs(60),
             connect: Duration::from_secs(5),
             // A non-streamed completion sends its headers only when generation ends, so
             // "first byte" must allow for long generations.
@@ -1100,6 +1117,15 @@ fn validate(
             "server.max_headers",
             &mut errors,
         ),
+        max_connections: limit(
+            file.server.max_connections,
+            10_000,
+            1,
+            1_000_000,
+            "server.max_connections",
+            &mut errors,
+        ),
+        drain_timeout: file.server.drain_timeout.unwrap_or(Duration::from_secs(30)),
     };
 
     // [auth]
@@ -1149,11 +1175,15 @@ fn validate(
     // [timeouts]
     let d = Timeouts::default();
     let timeouts = Timeouts {
+        client_header: file.timeouts.client_header.unwrap_or(d.client_header),
+        client_body: file.timeouts.client_body.unwrap_or(d.client_body),
         connect: file.timeouts.connect.unwrap_or(d.connect),
         first_byte: file.timeouts.first_byte.unwrap_or(d.first_byte),
         idle: file.timeouts.idle.unwrap_or(d.idle),
     };
     for (name, v) in [
+        ("timeouts.client_header", timeouts.client_header),
+        ("timeouts.client_body", timeouts.client_body),
         ("timeouts.connect", timeouts.connect),
         ("timeouts.first_byte", timeouts.first_byte),
         ("timeouts.idle", timeouts.idle),

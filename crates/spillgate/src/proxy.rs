@@ -156,7 +156,14 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         } => (shape, deployment, operation),
     };
 
-    let body = match read_body(&parts.headers, body, snap.config.server.max_body_bytes).await {
+    let body = match read_body(
+        &parts.headers,
+        body,
+        snap.config.server.max_body_bytes,
+        snap.config.timeouts.client_body,
+    )
+    .await
+    {
         Ok(b) => b,
         Err(e) => {
             // The rest of the body is not read: the connection cannot be reused.
@@ -278,7 +285,12 @@ async fn reject_unread(mut resp: Response, headers: &HeaderMap, body: Body) -> R
 
 /// Reads the whole request body, refusing it with 413 before any upstream call when it is
 /// larger than the limit.
-async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes, GatewayError> {
+async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    max: usize,
+    timeout: Duration,
+) -> Result<Bytes, GatewayError> {
     let too_large = || {
         GatewayError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -294,12 +306,23 @@ async fn read_body(headers: &HeaderMap, body: Body, max: usize) -> Result<Bytes,
     if declared.is_some_and(|n| n > max as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, max).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(_) => Err(GatewayError::bad_request(
+    // A client that declares a body and then trickles it (or stops) must not hold a
+    // connection and its buffer forever.
+    match tokio::time::timeout(timeout, Limited::new(body, max).collect()).await {
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Ok(Err(_)) => Err(GatewayError::bad_request(
             "incomplete_body",
             "The request body could not be read completely.",
+        )),
+        Err(_) => Err(GatewayError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_body_timeout",
+            format!(
+                "The request body did not arrive within {} ms (timeouts.client_body).",
+                timeout.as_millis()
+            ),
         )),
     }
 }

@@ -14,9 +14,10 @@ use axum::routing::get;
 use axum::{Json, Router};
 use http::StatusCode;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 
 use crate::app::App;
 use crate::state::Availability;
@@ -100,8 +101,11 @@ pub struct Running {
 }
 
 impl Running {
-    /// Stops accepting new connections. Connections already open finish their requests.
+    /// Graceful shutdown: stops accepting at once (new connections are refused), marks
+    /// the gateway as draining (`/readyz` turns 503), lets in-flight requests and streams
+    /// finish for up to `server.drain_timeout`, then closes what is left.
     pub async fn shutdown(self) {
+        self.app.start_draining();
         let _ = self.stop.send(true);
         let _ = self.task.await;
     }
@@ -109,7 +113,10 @@ impl Running {
 
 /// Binds `app`'s listen address (port 0 picks a free port) and serves until shut down.
 pub async fn start(app: Arc<App>) -> anyhow::Result<Running> {
-    let server_cfg = app.snapshot.load().config.server.clone();
+    let snap = app.snapshot.load();
+    let server_cfg = snap.config.server.clone();
+    let header_timeout = snap.config.timeouts.client_header;
+    drop(snap);
     let listener = TcpListener::bind(server_cfg.listen).await?;
     let addr = listener.local_addr()?;
     let (stop, mut stopped) = watch::channel(false);
@@ -120,9 +127,20 @@ pub async fn start(app: Arc<App>) -> anyhow::Result<Running> {
         http.timer(TokioTimer::new())
             .max_buf_size(server_cfg.max_header_bytes)
             .max_headers(server_cfg.max_headers)
-            .header_read_timeout(Duration::from_secs(30))
+            .header_read_timeout(header_timeout)
             .keep_alive(true);
+        let graceful = GracefulShutdown::new();
+        // Each connection holds a permit: past the limit, new connections wait in the
+        // kernel's accept queue instead of exhausting memory and file descriptors.
+        let permits = Arc::new(Semaphore::new(server_cfg.max_connections));
         loop {
+            let permit = tokio::select! {
+                p = Arc::clone(&permits).acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                _ = stopped.changed() => break,
+            };
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = stopped.changed() => break,
@@ -141,11 +159,25 @@ pub async fn start(app: Arc<App>) -> anyhow::Result<Running> {
                 TokioIo::new(stream),
                 TowerToHyperService::new(service.clone()),
             );
+            let conn = graceful.watch(conn);
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
                     tracing::debug!(error = %e, "client connection ended with an error");
                 }
+                drop(permit);
             });
+        }
+        // Stop accepting: closing the listener makes new connections fail at once.
+        drop(listener);
+        tracing::info!(
+            drain_timeout_ms = server_cfg.drain_timeout.as_millis() as u64,
+            "draining in-flight requests"
+        );
+        if tokio::time::timeout(server_cfg.drain_timeout, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("drain timeout reached; closing the connections still open");
         }
     });
     Ok(Running {

@@ -60,6 +60,15 @@ struct Env {
 
 impl Env {
     async fn start(backends: Vec<B>, extra: &str) -> Env {
+        Self::start_full(backends, "", extra).await
+    }
+
+    /// With extra lines in the `[server]` table.
+    async fn start_with_server(backends: Vec<B>, server: &str) -> Env {
+        Self::start_full(backends, server, "").await
+    }
+
+    async fn start_full(backends: Vec<B>, server: &str, extra: &str) -> Env {
         let mut mocks = Vec::new();
         for (i, spec) in backends.iter().enumerate() {
             let cfg = MockConfig {
@@ -70,12 +79,17 @@ impl Env {
             };
             mocks.push(MockBackend::start(cfg).await.unwrap());
         }
-        Self::start_with(backends, mocks, extra).await
+        Self::start_with(backends, mocks, server, extra).await
     }
 
-    async fn start_with(backends: Vec<B>, mocks: Vec<MockBackend>, extra: &str) -> Env {
+    async fn start_with(
+        backends: Vec<B>,
+        mocks: Vec<MockBackend>,
+        server: &str,
+        extra: &str,
+    ) -> Env {
         let mut text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 4096\n[auth]\nclient_keys = [\"env:CLIENT\"]\n{extra}\n"
+            "[server]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 4096\n{server}\n[auth]\nclient_keys = [\"env:CLIENT\"]\n{extra}\n"
         );
         for (i, spec) in backends.iter().enumerate() {
             let url = if spec.kind == "openai" {
@@ -858,4 +872,111 @@ async fn client_disconnect_while_waiting_for_headers_cancels_the_upstream_reques
         seen,
         "the gateway noticed the disconnect and dropped the upstream request"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Shutdown and client limits
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn shutdown_lets_streams_finish_and_refuses_new_connections() {
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    env.mocks[0].push_script(vec![Reply::stream(10, 60)]);
+    let mut body = open_stream(&env).await;
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let addr = env.gw.addr;
+    let app = Arc::clone(&env.gw.app);
+    let Env { mocks, gw, client } = env;
+    let shutdown = tokio::spawn(gw.shutdown());
+    // Draining: readiness says so, and new connections are refused.
+    for _ in 0..100 {
+        if app.draining() && tokio::net::TcpStream::connect(addr).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(app.draining());
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "new connections refused"
+    );
+    // The stream in progress completes, [DONE] included.
+    let mut text = String::from_utf8(first.to_vec()).unwrap();
+    while let Some(frame) = body.frame().await {
+        if let Ok(d) = frame.unwrap().into_data() {
+            text.push_str(&String::from_utf8_lossy(&d));
+        }
+    }
+    assert_eq!(text.matches("data: {").count(), 10);
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    shutdown.await.unwrap();
+    assert_eq!(mocks[0].streams_completed(), 1);
+    drop(client);
+}
+
+#[tokio::test]
+async fn a_client_that_trickles_its_body_gets_408() {
+    let env = Env::start(vec![b("p1", 1)], "[timeouts]\nclient_body = \"300ms\"\n").await;
+    let mut sock = tokio::net::TcpStream::connect(env.gw.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\napi-key: {CLIENT_KEY}\r\ncontent-length: 1000\r\n\r\n{{\"model\""
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut sock, head.as_bytes())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read(&mut sock, &mut buf),
+    )
+    .await
+    .expect("answered within the body timeout")
+    .unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("request_body_timeout"), "{text}");
+    assert_eq!(env.hits(), vec![0]);
+}
+
+#[tokio::test]
+async fn connections_beyond_the_limit_wait_for_a_free_slot() {
+    let env = Env::start_with_server(vec![b("p1", 1)], "max_connections = 1").await;
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\napi-key: {CLIENT_KEY}\r\ncontent-length: {}\r\n\r\n{CHAT}",
+        CHAT.len()
+    );
+    let read_head = |mut sock: tokio::net::TcpStream| async move {
+        let mut buf = vec![0u8; 8192];
+        let n = tokio::io::AsyncReadExt::read(&mut sock, &mut buf)
+            .await
+            .unwrap();
+        (sock, String::from_utf8_lossy(&buf[..n]).to_string())
+    };
+    // Connection A is served and stays open (keep-alive).
+    let mut a = tokio::net::TcpStream::connect(env.gw.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut a, request.as_bytes())
+        .await
+        .unwrap();
+    let (a, text) = read_head(a).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    // Connection B waits while A holds the only slot...
+    let mut b_sock = tokio::net::TcpStream::connect(env.gw.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut b_sock, request.as_bytes())
+        .await
+        .unwrap();
+    let waiting = tokio::spawn(read_head(b_sock));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "B must not be served while A holds the only slot"
+    );
+    assert_eq!(env.hits(), vec![1]);
+    // ...and is served once A closes.
+    drop(a);
+    let (_, text) = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert_eq!(env.hits(), vec![2]);
 }
