@@ -62,12 +62,14 @@ def test_openai_chat_completion(stack: Stack) -> None:
     assert completion.choices[0].finish_reason == "stop"
 
     req = only_request(stack)
-    # OpenAI shape to an Azure backend: Azure's v1 API, deployment as `model`.
+    # OpenAI shape to a (classic) Azure backend: the deployment in the path, the
+    # backend's api-version; the body goes as the SDK sent it.
     assert req["method"] == "POST"
-    assert req["path"] == "/openai/v1/chat/completions"
+    assert req["path"] == "/openai/deployments/gpt4o-ptu/chat/completions"
+    assert req["query"] == "api-version=2024-10-21"
     assert req["deployment"] == PTU_DEPLOYMENTS[CHAT_MODEL] == "gpt4o-ptu"
     body = json.loads(req["body"])
-    assert body["model"] == "gpt4o-ptu"
+    assert body["model"] == CHAT_MODEL
     assert body["messages"] == MESSAGES
     assert_ptu_credential(req, stack)
 
@@ -86,9 +88,9 @@ def test_openai_chat_completion_stream(stack: Stack) -> None:
     assert st["streams_completed"] == 1
     assert st["streams_cancelled"] == 0
     req = only_request(stack)
-    assert req["path"] == "/openai/v1/chat/completions"
+    assert req["path"] == "/openai/deployments/gpt4o-ptu/chat/completions"
     body = json.loads(req["body"])
-    assert body["model"] == "gpt4o-ptu"
+    assert body["model"] == CHAT_MODEL
     assert body["stream"] is True
     assert_ptu_credential(req, stack)
 
@@ -141,10 +143,10 @@ def test_openai_embeddings(stack: Stack) -> None:
     assert result.data[0].embedding != result.data[1].embedding
 
     req = only_request(stack)
-    assert req["path"] == "/openai/v1/embeddings"
+    assert req["path"] == f"/openai/deployments/{PTU_DEPLOYMENTS[EMBEDDING_MODEL]}/embeddings"
     assert req["deployment"] == PTU_DEPLOYMENTS[EMBEDDING_MODEL]
     body = json.loads(req["body"])
-    assert body["model"] == PTU_DEPLOYMENTS[EMBEDDING_MODEL]
+    assert body["model"] == EMBEDDING_MODEL
     assert body["input"] == ["first text", "second text"]
     assert_ptu_credential(req, stack)
 

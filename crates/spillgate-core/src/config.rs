@@ -295,7 +295,23 @@ pub struct FileBackend {
     pub deployments: Option<BTreeMap<String, String>>,
     pub circuit_breaker: Option<FileBreaker>,
     pub health_check: Option<FileHealthCheck>,
+    pub azure_api: Option<AzureApi>,
+    pub api_version: Option<String>,
 }
+
+/// Which Azure OpenAI API a backend is called with when the client's request does not
+/// already name a deployment in its path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AzureApi {
+    /// `/openai/deployments/{deployment}/{operation}?api-version=...`: every resource.
+    #[default]
+    Classic,
+    /// `/openai/v1/{operation}`, deployment as `model`: resources with the v1 API.
+    V1,
+}
+
+pub const DEFAULT_AZURE_API_VERSION: &str = "2024-10-21";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -546,6 +562,9 @@ pub struct BackendConfig {
     pub deployments: Option<BTreeMap<String, String>>,
     pub breaker: Option<BreakerConfig>,
     pub health_check: Option<HealthCheck>,
+    pub azure_api: AzureApi,
+    /// `api-version` for Azure classic requests made from other shapes.
+    pub api_version: String,
 }
 
 impl BackendConfig {
@@ -1237,7 +1256,14 @@ fn validate(
             errors.push("routing.max_attempts", "must be >= 1, got 0");
             None
         }
-        Some(n) => Some(u32::try_from(n.min(1000)).unwrap_or(1000)),
+        Some(n) if n > 1000 => {
+            errors.push(
+                "routing.max_attempts",
+                format!("must be at most 1000, got {n}"),
+            );
+            None
+        }
+        Some(n) => u32::try_from(n).ok(),
     };
     let routing = RoutingPolicy {
         when_all_cooling: file.routing.when_all_cooling.unwrap_or(d.when_all_cooling),
@@ -1340,6 +1366,30 @@ fn validate(
             .health_check
             .as_ref()
             .map(|h| validate_health_check(h, &p("health_check"), &mut errors));
+        if b.kind == BackendKind::Openai && (b.azure_api.is_some() || b.api_version.is_some()) {
+            errors.push(
+                p(if b.azure_api.is_some() {
+                    "azure_api"
+                } else {
+                    "api_version"
+                }),
+                "applies to kind = \"azure\" only",
+            );
+        }
+        let api_version = b
+            .api_version
+            .unwrap_or_else(|| DEFAULT_AZURE_API_VERSION.to_string());
+        if api_version.is_empty()
+            || api_version.len() > 40
+            || !api_version
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || c == b'-')
+        {
+            errors.push(
+                p("api_version"),
+                format!("is not an api-version like \"2024-10-21\": {api_version:?}"),
+            );
+        }
         backends.push(BackendConfig {
             name: Arc::from(b.name.as_str()),
             kind: b.kind,
@@ -1350,6 +1400,8 @@ fn validate(
             deployments: b.deployments,
             breaker,
             health_check,
+            azure_api: b.azure_api.unwrap_or_default(),
+            api_version,
         });
     }
 

@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::config::{is_safe_name, BackendKind};
+use crate::config::{is_safe_name, AzureApi, BackendKind};
 
 /// The shape of a client request, from its path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,6 +224,7 @@ pub fn upstream_target(
     kind: BackendKind,
     base_path: &str,
     deployment: &str,
+    azure: (AzureApi, &str),
 ) -> UpstreamTarget {
     let RequestParts {
         shape,
@@ -232,54 +233,66 @@ pub fn upstream_target(
         body_model,
         body_is_object,
     } = *req;
-    let needs_model = |target_uses_body: bool| {
-        (target_uses_body && body_is_object && body_model != Some(deployment))
-            .then(|| deployment.to_string())
+    let with_query = |mut p: String, q: String| {
+        if !q.is_empty() {
+            p.push('?');
+            p.push_str(&q);
+        }
+        p
     };
+    let needs_model =
+        || (body_is_object && body_model != Some(deployment)).then(|| deployment.to_string());
+    let (api, api_version) = azure;
+    // The Responses API has no deployment-scoped classic path: it is served under v1.
+    let responses = operation == "responses" || operation.starts_with("responses/");
     match (kind, shape) {
         // Azure classic in, Azure classic out: the deployment in the path is all that
-        // changes; the body goes through byte for byte.
-        (BackendKind::Azure, ClientShape::AzureDeployment) => {
-            let q = forwardable_query(query.unwrap_or(""), true);
-            let mut p = format!("{base_path}/openai/deployments/{deployment}/{operation}");
-            if !q.is_empty() {
-                p.push('?');
-                p.push_str(&q);
-            }
-            // Azure classic reads the deployment from the path: the body is forwarded
-            // byte for byte, never parsed.
+        // changes; the body is forwarded byte for byte, never parsed.
+        (BackendKind::Azure, ClientShape::AzureDeployment) => UpstreamTarget {
+            path_and_query: with_query(
+                format!("{base_path}/openai/deployments/{deployment}/{operation}"),
+                forwardable_query(query.unwrap_or(""), true),
+            ),
+            body_model: None,
+        },
+        // Body-model shapes to an Azure resource's v1 API: the deployment as `model`.
+        (BackendKind::Azure, ClientShape::AzureV1 | ClientShape::OpenAi)
+            if api == AzureApi::V1 || responses =>
+        {
             UpstreamTarget {
-                path_and_query: p,
-                body_model: None,
+                path_and_query: with_query(
+                    format!("{base_path}/openai/v1/{operation}"),
+                    forwardable_query(query.unwrap_or(""), false),
+                ),
+                body_model: needs_model(),
             }
         }
-        // Body-model shapes to Azure: Azure's v1 API takes the deployment as `model`.
+        // Body-model shapes to a classic Azure resource: the deployment in the path, the
+        // backend's api-version; Azure reads the model from the path.
         (BackendKind::Azure, ClientShape::AzureV1 | ClientShape::OpenAi) => {
-            let q = forwardable_query(query.unwrap_or(""), false);
-            let mut p = format!("{base_path}/openai/v1/{operation}");
+            let mut q = forwardable_query(query.unwrap_or(""), false);
             if !q.is_empty() {
-                p.push('?');
-                p.push_str(&q);
+                q.push('&');
             }
+            q.push_str("api-version=");
+            q.push_str(api_version);
             UpstreamTarget {
-                path_and_query: p,
-                body_model: needs_model(true),
+                path_and_query: with_query(
+                    format!("{base_path}/openai/deployments/{deployment}/{operation}"),
+                    q,
+                ),
+                body_model: None,
             }
         }
         // Anything to an OpenAI-compatible server: `{base_url}/{operation}`, model in the
         // body; Azure's api-version means nothing there.
-        (BackendKind::Openai, _) => {
-            let q = forwardable_query(query.unwrap_or(""), false);
-            let mut p = format!("{base_path}/{operation}");
-            if !q.is_empty() {
-                p.push('?');
-                p.push_str(&q);
-            }
-            UpstreamTarget {
-                path_and_query: p,
-                body_model: needs_model(true),
-            }
-        }
+        (BackendKind::Openai, _) => UpstreamTarget {
+            path_and_query: with_query(
+                format!("{base_path}/{operation}"),
+                forwardable_query(query.unwrap_or(""), false),
+            ),
+            body_model: needs_model(),
+        },
     }
 }
 
@@ -389,93 +402,160 @@ mod tests {
         assert!(!inspect_body(b"").unwrap().is_object);
     }
 
+    #[expect(clippy::too_many_arguments, reason = "a test table row: one argument per column")]
+    fn target(
+        shape: ClientShape,
+        op: &str,
+        query: Option<&str>,
+        body_model: Option<&str>,
+        kind: BackendKind,
+        base: &str,
+        dep: &str,
+        api: AzureApi,
+    ) -> (String, Option<String>) {
+        let t = upstream_target(
+            &RequestParts {
+                shape,
+                operation: op,
+                query,
+                body_model,
+                body_is_object: true,
+            },
+            kind,
+            base,
+            dep,
+            (api, "2024-10-21"),
+        );
+        (t.path_and_query, t.body_model)
+    }
+
     #[test]
     fn targets_for_each_kind_and_shape() {
+        use AzureApi::{Classic, V1};
         use BackendKind::*;
         use ClientShape::*;
-        // Azure classic to Azure: deployment swapped, api-version kept, priority dropped.
-        let t = upstream_target(
-            &RequestParts {
-                shape: AzureDeployment,
-                operation: "chat/completions",
-                query: Some("api-version=2024-10-21&priority=low"),
-                body_model: None,
-                body_is_object: true,
-            },
-            Azure,
-            "",
-            "gpt4o-ptu",
-        );
+        let q = Some("api-version=2024-06-01&priority=low");
+        // Azure classic to Azure: deployment swapped, the client's api-version kept,
+        // priority dropped, body untouched (whatever it names).
+        for api in [Classic, V1] {
+            assert_eq!(
+                target(
+                    AzureDeployment,
+                    "chat/completions",
+                    q,
+                    Some("gpt-4o"),
+                    Azure,
+                    "",
+                    "gpt4o-ptu",
+                    api
+                ),
+                (
+                    "/openai/deployments/gpt4o-ptu/chat/completions?api-version=2024-06-01".into(),
+                    None
+                )
+            );
+        }
+        // OpenAI shape to a classic Azure resource: deployment path, the backend's
+        // api-version, body untouched (Azure reads the path).
         assert_eq!(
-            t.path_and_query,
-            "/openai/deployments/gpt4o-ptu/chat/completions?api-version=2024-10-21"
+            target(
+                OpenAi,
+                "chat/completions",
+                Some("priority=low"),
+                Some("gpt-4o"),
+                Azure,
+                "",
+                "gpt4o-ptu",
+                Classic
+            ),
+            (
+                "/openai/deployments/gpt4o-ptu/chat/completions?api-version=2024-10-21".into(),
+                None
+            )
         );
-        assert_eq!(t.body_model, None);
-        // Same name in the body: body untouched.
-        let t = upstream_target(
-            &RequestParts {
-                shape: AzureDeployment,
-                operation: "embeddings",
-                query: None,
-                body_model: Some("emb"),
-                body_is_object: true,
-            },
-            Azure,
-            "",
-            "emb",
+        // ... to a v1 resource: v1 path, deployment as model.
+        assert_eq!(
+            target(
+                OpenAi,
+                "chat/completions",
+                None,
+                Some("gpt-4o"),
+                Azure,
+                "",
+                "gpt4o-ptu",
+                V1
+            ),
+            (
+                "/openai/v1/chat/completions".into(),
+                Some("gpt4o-ptu".into())
+            )
         );
-        assert_eq!(t.body_model, None);
-        // OpenAI shape to Azure: v1 API, deployment as model.
-        let t = upstream_target(
-            &RequestParts {
-                shape: OpenAi,
-                operation: "chat/completions",
-                query: None,
-                body_model: Some("gpt-4o"),
-                body_is_object: true,
-            },
-            Azure,
-            "",
-            "gpt4o-ptu",
+        // The Responses API is v1-only on Azure.
+        assert_eq!(
+            target(
+                AzureV1,
+                "responses",
+                None,
+                Some("gpt-4o"),
+                Azure,
+                "",
+                "gpt4o-ptu",
+                Classic
+            ),
+            ("/openai/v1/responses".into(), Some("gpt4o-ptu".into()))
         );
-        assert_eq!(t.path_and_query, "/openai/v1/chat/completions");
-        assert_eq!(t.body_model.as_deref(), Some("gpt4o-ptu"));
         // Azure classic to OpenAI kind: base path kept, api-version dropped, model added.
-        let t = upstream_target(
-            &RequestParts {
-                shape: AzureDeployment,
-                operation: "chat/completions",
-                query: Some("api-version=2024-10-21"),
-                body_model: None,
-                body_is_object: true,
-            },
-            Openai,
-            "/v1",
-            "gpt-4o",
+        assert_eq!(
+            target(
+                AzureDeployment,
+                "chat/completions",
+                q,
+                None,
+                Openai,
+                "/v1",
+                "gpt-4o",
+                Classic
+            ),
+            ("/v1/chat/completions".into(), Some("gpt-4o".into()))
         );
-        assert_eq!(t.path_and_query, "/v1/chat/completions");
-        assert_eq!(t.body_model.as_deref(), Some("gpt-4o"));
         // OpenAI to OpenAI, same name: untouched.
-        let t = upstream_target(
-            &RequestParts {
-                shape: OpenAi,
-                operation: "embeddings",
-                query: None,
-                body_model: Some("m"),
-                body_is_object: true,
-            },
-            Openai,
-            "/v1",
-            "m",
+        assert_eq!(
+            target(
+                OpenAi,
+                "embeddings",
+                None,
+                Some("m"),
+                Openai,
+                "/v1",
+                "m",
+                Classic
+            ),
+            ("/v1/embeddings".into(), None)
         );
-        assert_eq!(t.path_and_query, "/v1/embeddings");
-        assert_eq!(t.body_model, None);
     }
 
     proptest! {
         #[test]
         fn inspect_never_panics(body in prop::collection::vec(any::<u8>(), 0..200)) {
             let _ = inspect_body(&body);
+        }
+
+        /// JSON-like input (objects with `model` members, escapes, nesting, truncation):
+        /// inspection never panics, and a reported span always holds the model's quoted text.
+        #[test]
+        fn inspect_json_like(
+            pre in r#"[ \t]{0,2}\{("[a-z]{1,5}"[ ]?:[ ]?("[a-z\\"]{0,6}"|[0-9]{1,3}|\[\]|\{\}|null)[ ]?,[ ]?){0,3}"#,
+            model in r#"[a-z0-9.:\\u-]{0,12}"#,
+            post in r#"(,"[a-z]{1,5}":[0-9]{1,3}){0,2}\}?"#,
+        ) {
+            let body = format!(r#"{pre}"model":"{model}"{post}"#);
+            if let Ok(info) = inspect_body(body.as_bytes()) {
+                if let Some((s, e)) = info.model_span {
+                    let quoted = &body.as_bytes()[s..e];
+                    prop_assert_eq!(quoted.first(), Some(&b'"'));
+                    prop_assert_eq!(quoted.last(), Some(&b'"'));
+                }
+            }
         }
 
         #[test]

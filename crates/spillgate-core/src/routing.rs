@@ -286,6 +286,8 @@ mod tests {
             }),
             breaker: None,
             health_check: None,
+            azure_api: crate::config::AzureApi::Classic,
+            api_version: crate::config::DEFAULT_AZURE_API_VERSION.to_string(),
         }
     }
 

@@ -194,6 +194,8 @@ pub struct Snapshot {
     /// Per route of `config.table.routes`, same order.
     pub routes: Vec<RouteRt>,
     pub client_keys: ClientKeys,
+    /// The `GET /v1/models` answer, built once per config.
+    pub models_json: bytes::Bytes,
 }
 
 impl Snapshot {
@@ -240,11 +242,19 @@ impl Snapshot {
                 }
             })
             .collect();
+        let data: Vec<_> = config
+            .table
+            .model_names()
+            .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": "spillgate"}))
+            .collect();
+        let models_json =
+            bytes::Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
         Ok(Snapshot {
             config,
             backends,
             routes,
             client_keys,
+            models_json,
         })
     }
 }

@@ -8,13 +8,32 @@
 use std::sync::Arc;
 
 use http::HeaderMap;
+use sha2::{Digest, Sha256};
 use spillgate_core::config::ClientKey;
 use subtle::ConstantTimeEq;
 
-/// The configured client keys, or none when authentication is off.
-#[derive(Debug, Clone)]
+/// The configured client keys, or none when authentication is off. Only SHA-256 digests
+/// are kept: comparisons are fixed-length (so timing reveals neither content nor length)
+/// and a debug print of the gateway's state cannot show a key.
+#[derive(Clone)]
 pub struct ClientKeys {
-    keys: Option<Vec<(Arc<str>, Vec<u8>)>>,
+    keys: Option<Vec<(Arc<str>, [u8; 32])>>,
+}
+
+impl std::fmt::Debug for ClientKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.keys {
+            None => f.write_str("ClientKeys(none)"),
+            Some(k) => {
+                let names: Vec<&str> = k.iter().map(|(n, _)| &**n).collect();
+                write!(f, "ClientKeys({names:?})")
+            }
+        }
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
 }
 
 /// Who a request came from, for logs (the key's source name, never the key).
@@ -46,7 +65,7 @@ impl ClientKeys {
         ClientKeys {
             keys: Some(
                 keys.iter()
-                    .map(|k| (Arc::clone(&k.name), k.key.expose().as_bytes().to_vec()))
+                    .map(|k| (Arc::clone(&k.name), digest(k.key.expose().as_bytes())))
                     .collect(),
             ),
         }
@@ -71,11 +90,11 @@ impl ClientKeys {
                     .get("ocp-apim-subscription-key")
                     .map(|v| v.as_bytes())
             })?;
-        let presented = presented.trim_ascii();
+        let presented = digest(presented.trim_ascii());
         let mut found = None;
         // Check every key, without an early exit, so timing does not tell which matched.
         for (name, key) in keys {
-            if bool::from(key.as_slice().ct_eq(presented)) {
+            if bool::from(key.ct_eq(&presented)) {
                 found = Some(Client::Named(Arc::clone(name)));
             }
         }
@@ -142,6 +161,16 @@ mod tests {
         assert!(k.authenticate(&h("api-key", "key-c")).is_none());
         assert!(k.authenticate(&h("authorization", "Basic key-a")).is_none());
         assert!(k.authenticate(&h("authorization", "Bearer ")).is_none());
+    }
+
+    #[test]
+    fn debug_never_shows_a_key() {
+        let shown = format!("{:?}", keys());
+        assert!(
+            !shown.contains("key-a") && !shown.contains("key-b"),
+            "{shown}"
+        );
+        assert!(shown.contains("TEAM_A"));
     }
 
     #[test]

@@ -31,17 +31,29 @@ enum Command {
     Demo(spillgate::demo::DemoArgs),
 }
 
-fn init_logging(format: LogFormat, level: &str) {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(level))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
+fn init_logging(format: LogFormat, level: &str) -> Result<(), ExitCode> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.is_empty() => EnvFilter::try_new(&v).map_err(|e| (format!("RUST_LOG: {e}"), v)),
+        _ => EnvFilter::try_new(level).map_err(|e| (format!("log.level: {e}"), level.to_string())),
+    };
+    let filter = match filter {
+        Ok(f) => f,
+        Err((msg, value)) => {
+            eprintln!("error: {msg} (got {value:?}; e.g. \"info\" or \"spillgate=debug\")");
+            return Err(ExitCode::from(2));
+        }
+    };
+    // Colours only for a terminal: log files and collectors get plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Text => builder.init(),
     }
+    Ok(())
 }
 
 fn read_config(path: &Option<PathBuf>) -> Result<spillgate_core::config::Config, ExitCode> {
@@ -81,7 +93,9 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            init_logging(config.log.format, &config.log.level);
+            if let Err(code) = init_logging(config.log.format, &config.log.level) {
+                return code;
+            }
             run_async(async move {
                 if matches!(config.auth, AuthConfig::None) {
                     tracing::warn!("CLIENT AUTHENTICATION IS OFF ([auth] mode = \"none\"): anyone who can reach this port can use every backend. Use this for local development only.");
@@ -98,7 +112,9 @@ fn main() -> ExitCode {
             })
         }
         Command::Demo(args) => {
-            init_logging(LogFormat::Text, "warn");
+            if let Err(code) = init_logging(LogFormat::Text, "warn") {
+                return code;
+            }
             run_async(spillgate::demo::run(args))
         }
     }

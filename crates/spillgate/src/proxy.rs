@@ -16,7 +16,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use spillgate_core::config::{AllCoolingPolicy, BackendKind, Step};
+use spillgate_core::config::{is_safe_name, AllCoolingPolicy, BackendKind, Step};
 use spillgate_core::outcome::{cooldown_duration, retry_hint, CoolReason, Cooldown, Outcome};
 use spillgate_core::request::{
     classify_path, inspect_body, set_model, upstream_target, ApiRoute, BodyError, BodyInfo,
@@ -75,6 +75,7 @@ fn forward_headers(client: &HeaderMap) -> HeaderMap {
         if is_hop_by_hop(name, &tokens)
             || CLIENT_CREDENTIAL_HEADERS.contains(&n)
             || matches!(n, "host" | "content-length" | "expect" | "cookie")
+            || CLIENT_ONLY_HEADERS.contains(&n)
         {
             continue;
         }
@@ -83,16 +84,51 @@ fn forward_headers(client: &HeaderMap) -> HeaderMap {
     out
 }
 
+/// Client headers that must not reach a backend: an OpenAI organization or project would
+/// pick which account the gateway's key bills; forwarding headers would leak the client's
+/// network; `x-priority` is the gateway's own.
+const CLIENT_ONLY_HEADERS: [&str; 8] = [
+    "openai-organization",
+    "openai-project",
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-real-ip",
+    "x-priority",
+];
+
+/// Backend response headers that are the backend account's business, not the client's.
+const BACKEND_ONLY_HEADERS: [&str; 3] = ["openai-organization", "openai-project", "set-cookie"];
+
 /// The backend's response headers as they go to the client.
 fn response_headers(upstream: &HeaderMap) -> HeaderMap {
     let tokens = connection_tokens(upstream);
     let mut out = HeaderMap::with_capacity(upstream.len() + 2);
     for (name, value) in upstream {
-        if !is_hop_by_hop(name, &tokens) {
+        if !is_hop_by_hop(name, &tokens) && !BACKEND_ONLY_HEADERS.contains(&name.as_str()) {
             out.append(name.clone(), value.clone());
         }
     }
     out
+}
+
+/// The one log line of a request the gateway answers itself before any upstream call.
+fn rejected(err: GatewayError) -> Response {
+    tracing::info!(
+        status = err.status.as_u16(),
+        code = err.code,
+        "request rejected"
+    );
+    err.into_response()
+}
+
+/// A client-supplied string, shortened for a log line.
+fn truncate(s: &str) -> &str {
+    match s.char_indices().nth(64) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
 }
 
 /// What the request asks for, once its body is read.
@@ -127,28 +163,27 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
     // Authenticate before reading the body: an unauthenticated client costs no buffering.
     let client = match &route {
         ApiRoute::NotFound => {
-            let resp = GatewayError::not_found(format!("Unknown path `{path}`.")).into_response();
+            let resp = rejected(GatewayError::not_found(format!(
+                "Unknown path `{}`.",
+                truncate(path)
+            )));
             return reject_unread(resp, &parts.headers, body).await;
         }
         _ => match snap.client_keys.authenticate(&parts.headers) {
             Some(c) => c,
             None => {
-                return reject_unread(
-                    GatewayError::unauthorized().into_response(),
-                    &parts.headers,
-                    body,
-                )
-                .await
+                return reject_unread(rejected(GatewayError::unauthorized()), &parts.headers, body)
+                    .await
             }
         },
     };
     let (shape, deployment, operation) = match route {
         ApiRoute::ListModels => return list_models(&snap),
         ApiRoute::Invalid(why) => {
-            let resp = GatewayError::bad_request("invalid_path", why).into_response();
+            let resp = rejected(GatewayError::bad_request("invalid_path", why));
             return reject_unread(resp, &parts.headers, body).await;
         }
-        ApiRoute::NotFound => return GatewayError::not_found("Unknown path.").into_response(),
+        ApiRoute::NotFound => return rejected(GatewayError::not_found("Unknown path.")),
         ApiRoute::Operation {
             shape,
             deployment,
@@ -167,7 +202,7 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         Ok(b) => b,
         Err(e) => {
             // The rest of the body is not read: the connection cannot be reused.
-            let mut resp = e.into_response();
+            let mut resp = rejected(e);
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
             return resp;
@@ -178,14 +213,22 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         Some(d) => (d.to_string(), None),
         None => match inspect_body(&body) {
             Ok(info) => match info.model.clone() {
+                Some(m) if !is_safe_name(&m) => {
+                    tracing::info!(model = ?truncate(&m), status = 400, "request rejected: invalid model name");
+                    return GatewayError::bad_request(
+                        "invalid_model",
+                        "`model` may contain only letters, digits, '-', '_', '.' and ':' (at most 256 characters).",
+                    )
+                    .into_response();
+                }
                 Some(m) => (m, Some(info)),
-                None => return missing_model(&parts.method, path).into_response(),
+                None => return rejected(missing_model(&parts.method, path)),
             },
             Err(e @ BodyError::InvalidJson(_)) => {
-                return GatewayError::bad_request("invalid_json", e.to_string()).into_response()
+                return rejected(GatewayError::bad_request("invalid_json", e.to_string()))
             }
             Err(e @ BodyError::ModelNotString) => {
-                return GatewayError::bad_request("invalid_model", e.to_string()).into_response()
+                return rejected(GatewayError::bad_request("invalid_model", e.to_string()))
             }
         },
     };
@@ -328,14 +371,7 @@ async fn read_body(
 }
 
 fn list_models(snap: &Snapshot) -> Response {
-    let data: Vec<_> = snap
-        .config
-        .table
-        .model_names()
-        .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": "spillgate"}))
-        .collect();
-    let body = serde_json::json!({"object": "list", "data": data});
-    let mut resp = Response::new(Body::from(body.to_string()));
+    let mut resp = Response::new(Body::from(snap.models_json.clone()));
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
@@ -923,6 +959,7 @@ fn build_upstream_request(
         backend.cfg.kind,
         &backend.base_path,
         deployment,
+        (backend.cfg.azure_api, &backend.cfg.api_version),
     );
     let body = match (&target.body_model, info) {
         (Some(name), Some(info)) => match set_model(&ctx.body, info, name) {

@@ -52,8 +52,16 @@ impl UpstreamClient {
         http.set_nodelay(true);
         http.set_connect_timeout(Some(timeouts.connect));
         http.set_keepalive(Some(Duration::from_secs(60)));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
+        // The system's CA store (so a private CA in front of a self-hosted server works),
+        // else the bundled webpki roots.
+        let builder = match hyper_rustls::HttpsConnectorBuilder::new().with_native_roots() {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "no usable system CA certificates; using the bundled web PKI roots");
+                hyper_rustls::HttpsConnectorBuilder::new().with_webpki_roots()
+            }
+        };
+        let https = builder
             .https_or_http()
             .enable_http1()
             .enable_http2()

@@ -776,12 +776,18 @@ async fn openai_shape_to_azure_backend_uses_the_deployment_name() {
     let mut p1 = b("ptu", 1);
     p1.deployments = Some(r#"{ "gpt-4o" = "gpt4o-ptu" }"#);
     let env = Env::start(vec![p1], "").await;
+    // An OpenAI-shaped client, a classic Azure resource (the default): the deployment
+    // path with the backend's api-version; the body goes as sent.
     let (status, _, body) = env.post("/v1/chat/completions?priority=low", CHAT).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let r = &env.mocks[0].requests()[0];
-    assert_eq!(r.path, "/openai/v1/chat/completions");
-    assert_eq!(r.query, None, "priority is consumed by the gateway");
-    assert_eq!(json(r.body.as_bytes())["model"], "gpt4o-ptu");
+    assert_eq!(r.path, "/openai/deployments/gpt4o-ptu/chat/completions");
+    assert_eq!(
+        r.query.as_deref(),
+        Some("api-version=2024-10-21"),
+        "priority is consumed by the gateway"
+    );
+    assert_eq!(r.body_sha256, sha(CHAT.as_bytes()));
     // Azure classic client, same backend: deployment swapped in the path, body untouched.
     let (status, _, _) = env.azure_chat("gpt-4o").await;
     assert_eq!(status, 200);
@@ -792,11 +798,23 @@ async fn openai_shape_to_azure_backend_uses_the_deployment_name() {
 }
 
 #[tokio::test]
+async fn openai_shape_to_a_v1_azure_backend_puts_the_deployment_in_the_body() {
+    let mut p1 = b("ptu", 1);
+    p1.deployments = Some("{ \"gpt-4o\" = \"gpt4o-ptu\" }\nazure_api = \"v1\"");
+    let env = Env::start(vec![p1], "").await;
+    let (status, _, _) = env.post("/v1/chat/completions", CHAT).await;
+    assert_eq!(status, 200);
+    let r = &env.mocks[0].requests()[0];
+    assert_eq!(r.path, "/openai/v1/chat/completions");
+    assert_eq!(r.query, None);
+    assert_eq!(json(r.body.as_bytes())["model"], "gpt4o-ptu");
+}
+
+#[tokio::test]
 async fn azure_shape_to_openai_backend_puts_the_model_in_the_body() {
     let mut p1 = b("vllm", 1);
     p1.kind = "openai";
-    p1.deployments =
-        Some(r#"{ "gpt-4o" = "meta-llama/x" }"#.replace("meta-llama/x", "llama-3.1-8b").leak());
+    p1.deployments = Some(r#"{ "gpt-4o" = "llama-3.1-8b" }"#);
     let env = Env::start(vec![p1], "").await;
     let body = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
     let (status, _, _) = env

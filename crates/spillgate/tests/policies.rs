@@ -626,8 +626,10 @@ async fn routes_send_each_model_to_its_pool() {
     let (_, headers, _) = gw.chat_model("ada").await;
     assert_eq!(h(&headers, "x-spillgate-backend"), "b2", "catch-all route");
     let paths: Vec<String> = gw.fake.calls().into_iter().map(|c| c.path).collect();
-    assert_eq!(paths[0], "/openai/v1/chat/completions");
-    assert!(String::from_utf8_lossy(&gw.fake.calls()[0].body).contains("turbo16k-ptu"));
+    assert_eq!(
+        paths[0],
+        "/openai/deployments/turbo16k-ptu/chat/completions?api-version=2024-10-21"
+    );
     // Per-pool tiers: b1 is priority 2 for turbo-16k but priority 1 for gpt-4o.
     gw.fake
         .script("b0", vec![st(429).header("retry-after", "30")]);
@@ -660,7 +662,7 @@ async fn fallback_model_serves_when_every_backend_of_the_model_is_cooling() {
         &[
             "deployments = { \"gpt-4o\" = \"gpt4o-a\" }",
             "deployments = { \"gpt-4o\" = \"gpt4o-b\" }",
-            "deployments = { \"gpt-4o-mini\" = \"mini-c\" }",
+            "deployments = { \"gpt-4o-mini\" = \"mini-c\" }\nazure_api = \"v1\"",
         ],
         r#"
 [[routes]]
