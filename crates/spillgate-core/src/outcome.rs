@@ -100,23 +100,12 @@ impl CoolReason {
     }
 }
 
-/// A cooldown: the backend is unavailable until `until_ms` (unix milliseconds).
+/// A cooldown: the backend is unavailable until `until_ms` (unix milliseconds). When a
+/// backend is cooled twice, the later deadline wins (see the gateway's state).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cooldown {
     pub until_ms: u64,
     pub reason: CoolReason,
-}
-
-impl Cooldown {
-    /// Two observations of the same backend: the later deadline wins, so a short
-    /// `Retry-After` seen after a long one cannot bring a backend back early. On a tie the
-    /// existing one stays.
-    pub fn merge(existing: Option<Cooldown>, new: Cooldown) -> Cooldown {
-        match existing {
-            Some(e) if e.until_ms >= new.until_ms => e,
-            _ => new,
-        }
-    }
 }
 
 /// `Retry-After` delta-seconds (decimals tolerated). `None` for negative, non-finite or
@@ -309,31 +298,6 @@ mod tests {
     }
 
     #[test]
-    fn later_deadline_wins() {
-        let a = Cooldown {
-            until_ms: 100,
-            reason: CoolReason::Throttled,
-        };
-        let b = Cooldown {
-            until_ms: 50,
-            reason: CoolReason::ServerError,
-        };
-        assert_eq!(Cooldown::merge(Some(a), b), a);
-        assert_eq!(Cooldown::merge(Some(b), a), a);
-        assert_eq!(Cooldown::merge(None, b), b);
-        assert_eq!(
-            Cooldown::merge(
-                Some(a),
-                Cooldown {
-                    until_ms: 100,
-                    reason: CoolReason::ConnectError
-                }
-            ),
-            a
-        );
-    }
-
-    #[test]
     fn reason_round_trips() {
         for r in [
             CoolReason::Throttled,
@@ -354,11 +318,20 @@ mod tests {
             prop_assert!(d <= p.max);
         }
 
+        /// Real values in every form parse to what they say.
         #[test]
-        fn merge_is_max(a in any::<u64>(), b in any::<u64>()) {
-            let x = Cooldown { until_ms: a, reason: CoolReason::Throttled };
-            let y = Cooldown { until_ms: b, reason: CoolReason::ServerError };
-            prop_assert_eq!(Cooldown::merge(Some(x), y).until_ms, a.max(b));
+        fn numbers_and_dates_parse_exactly(secs in 0u64..100_000, millis in 0u64..10_000_000, ahead in 1u64..86_400) {
+            prop_assert_eq!(hint(&[("retry-after", &secs.to_string())]), Some(Duration::from_secs(secs)));
+            prop_assert_eq!(hint(&[("retry-after-ms", &millis.to_string())]), Some(Duration::from_millis(millis)));
+            prop_assert_eq!(hint(&[("x-ms-retry-after-ms", &millis.to_string())]), Some(Duration::from_millis(millis)));
+            let at = UNIX_EPOCH + Duration::from_millis(NOW) + Duration::from_secs(ahead);
+            let date = httpdate::fmt_http_date(at);
+            prop_assert_eq!(hint(&[("retry-after", &date)]), Some(Duration::from_secs(ahead)));
+            let past = UNIX_EPOCH + Duration::from_millis(NOW) - Duration::from_secs(ahead);
+            prop_assert_eq!(hint(&[("retry-after", &httpdate::fmt_http_date(past))]), None);
+            // Negative values never parse.
+            prop_assert_eq!(hint(&[("retry-after", &format!("-{}", secs + 1))]), None);
         }
+
     }
 }

@@ -402,7 +402,10 @@ mod tests {
         assert!(!inspect_body(b"").unwrap().is_object);
     }
 
-    #[expect(clippy::too_many_arguments, reason = "a test table row: one argument per column")]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a test table row: one argument per column"
+    )]
     fn target(
         shape: ClientShape,
         op: &str,

@@ -805,3 +805,71 @@ async fn a_connect_error_outside_the_retry_condition_ends_the_request() {
     assert_eq!(h(&headers, "x-spillgate-attempts"), "1");
     assert_eq!(gw.fake.hits("b1"), 0);
 }
+
+// ---------------------------------------------------------------------------------------
+// Spill, return and waiting
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn traffic_returns_to_priority_1_when_its_cooldown_ends() {
+    let gw = gateway(&["priority = 1", "priority = 2"], "");
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "5")]);
+    for _ in 0..3 {
+        let (_, headers, _) = gw.chat().await;
+        assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    }
+    tokio::time::sleep(Duration::from_millis(4_900)).await;
+    let (_, headers, _) = gw.chat().await;
+    assert_eq!(
+        h(&headers, "x-spillgate-backend"),
+        "b1",
+        "still cooling at 4.9 s"
+    );
+    // 5 s plus at most 0.5 s of jitter.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    for _ in 0..3 {
+        let (_, headers, _) = gw.chat().await;
+        assert_eq!(
+            h(&headers, "x-spillgate-backend"),
+            "b0",
+            "back on priority 1"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_policy_waits_for_the_soonest_recovery_within_the_bound() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[routing]\nwhen_all_cooling = \"wait\"\nmax_wait = \"5s\"\n[cooldown]\nmax_jitter = \"0s\"\n",
+    );
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after-ms", "2000")]);
+    gw.fake
+        .script("b1", vec![st(429).header("retry-after-ms", "3000")]);
+    // First request: both fail; each was tried once, so it is answered 429.
+    assert_eq!(gw.chat().await.0, 429);
+    // Second request: both cooling; it waits for b0's recovery (2 s, plus up to 100 ms
+    // of spread) and is served there.
+    let t0 = Instant::now();
+    let (status, headers, _) = gw.chat().await;
+    assert_eq!(status, 200);
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_secs(2) && waited <= Duration::from_millis(2_100),
+        "{waited:?}"
+    );
+    // A wait longer than max_wait is not taken: answered at once.
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "30")]);
+    gw.fake
+        .script("b1", vec![st(429).header("retry-after", "30")]);
+    assert_eq!(gw.chat().await.0, 429);
+    let t0 = Instant::now();
+    let (status, headers, _) = gw.chat().await;
+    assert_eq!(status, 429);
+    assert_eq!(h(&headers, "x-spillgate-attempts"), "0");
+    assert_eq!(t0.elapsed(), Duration::ZERO);
+}
