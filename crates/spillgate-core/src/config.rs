@@ -16,6 +16,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::breaker::BreakerPolicy;
+use crate::capacity::{CapacityPolicy, Reserve};
 use crate::retry::{AttemptResult, Backoff, Condition, ConditionSet};
 use crate::routing::{pool_from, pool_of_all, ModelPattern, Route, RoutingTable};
 
@@ -88,6 +89,30 @@ pub struct FileConfig {
     pub retry: Option<FileRetry>,
     /// The circuit breaker of backends that do not set their own. Off when absent.
     pub circuit_breaker: Option<FileBreaker>,
+    /// Request priority: low-priority admission from tracked spare capacity.
+    pub priority: Option<FilePriority>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilePriority {
+    #[serde(default, with = "humantime_serde")]
+    pub stale_after: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub tokens_window: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub requests_window: Option<Duration>,
+    pub default_max_tokens: Option<u64>,
+    #[serde(default)]
+    pub models: Vec<FilePriorityModel>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilePriorityModel {
+    pub models: Vec<String>,
+    pub low_priority_tpm_threshold: u64,
+    pub low_priority_rp10s_threshold: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -365,6 +390,28 @@ pub struct Config {
     pub backends: Vec<BackendConfig>,
     /// Pools per model, built once when the config loads.
     pub table: Arc<RoutingTable>,
+    /// Request priority; `None` = every request is treated as high priority.
+    pub priority: Option<PriorityConfig>,
+}
+
+/// Low-priority admission: reserves per model and how capacity is estimated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PriorityConfig {
+    pub capacity: CapacityPolicy,
+    /// Completion tokens assumed for a request without `max_tokens`.
+    pub default_max_tokens: u64,
+    /// `(models, reserve)` in config order; the first match wins.
+    pub reserves: Vec<(Vec<ModelPattern>, Reserve)>,
+}
+
+impl PriorityConfig {
+    /// The capacity kept for high-priority traffic on deployments of `model`, if any.
+    pub fn reserve_for(&self, model: &str) -> Option<Reserve> {
+        self.reserves
+            .iter()
+            .find(|(pats, _)| pats.iter().any(|p| p.matches(model)))
+            .map(|(_, r)| *r)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -1089,6 +1136,60 @@ fn validate_routes(
     out
 }
 
+fn validate_priority(p: FilePriority, errors: &mut Errors) -> PriorityConfig {
+    let d = CapacityPolicy::default();
+    let capacity = CapacityPolicy {
+        tokens_window: p.tokens_window.unwrap_or(d.tokens_window),
+        requests_window: p.requests_window.unwrap_or(d.requests_window),
+        stale_after: p.stale_after.unwrap_or(d.stale_after),
+    };
+    for (name, v) in [
+        ("priority.tokens_window", capacity.tokens_window),
+        ("priority.requests_window", capacity.requests_window),
+        ("priority.stale_after", capacity.stale_after),
+    ] {
+        if v < Duration::from_millis(100) || v > Duration::from_secs(3600) {
+            errors.push(name, "must be between 100ms and 1h");
+        }
+    }
+    let default_max_tokens = p.default_max_tokens.unwrap_or(1000);
+    if default_max_tokens > 10_000_000 {
+        errors.push("priority.default_max_tokens", "must be at most 10000000");
+    }
+    let mut reserves = Vec::new();
+    for (i, m) in p.models.into_iter().enumerate() {
+        if m.models.is_empty() {
+            errors.push(
+                format!("priority.models[{i}].models"),
+                "must list at least one model name or pattern",
+            );
+        }
+        let mut pats = Vec::new();
+        for (j, name) in m.models.iter().enumerate() {
+            if validate_pattern(name) {
+                pats.push(ModelPattern::parse(name));
+            } else {
+                errors.push(
+                    format!("priority.models[{i}].models[{j}]"),
+                    format!("{name:?} is not a model name or pattern"),
+                );
+            }
+        }
+        reserves.push((
+            pats,
+            Reserve {
+                tokens: m.low_priority_tpm_threshold,
+                requests: m.low_priority_rp10s_threshold,
+            },
+        ));
+    }
+    PriorityConfig {
+        capacity,
+        default_max_tokens,
+        reserves,
+    }
+}
+
 fn validate(
     file: FileConfig,
     lookup_env: &dyn Fn(&str) -> Option<String>,
@@ -1436,6 +1537,10 @@ fn validate(
         return Err(ConfigErrors(errors.0));
     }
     let table = Arc::new(table);
+    let priority = file.priority.map(|p| validate_priority(p, &mut errors));
+    if !errors.0.is_empty() {
+        return Err(ConfigErrors(errors.0));
+    }
     Ok(Config {
         server,
         auth,
@@ -1445,6 +1550,7 @@ fn validate(
         log,
         backends,
         table,
+        priority,
     })
 }
 
@@ -1792,6 +1898,42 @@ trip = "30s"
                 "routes[1].fallback[0]: no route has a backend serving model \"gpt-9\""
             )),
             "{m:#?}"
+        );
+    }
+
+    #[test]
+    fn priority_reserves_load_per_model() {
+        let text = format!(
+            "{EXAMPLE}\n[priority]\nstale_after = \"5s\"\n[[priority.models]]\nmodels = [\"embedding100k\"]\nlow_priority_tpm_threshold = 30000\nlow_priority_rp10s_threshold = 3\n[[priority.models]]\nmodels = [\"gpt-4o*\"]\nlow_priority_tpm_threshold = 5000\nlow_priority_rp10s_threshold = 1\n"
+        );
+        let c = load_with(&text).unwrap();
+        let p = c.priority.unwrap();
+        assert_eq!(p.capacity.stale_after, Duration::from_secs(5));
+        assert_eq!(
+            p.reserve_for("embedding100k"),
+            Some(Reserve {
+                tokens: 30_000,
+                requests: 3
+            })
+        );
+        assert_eq!(
+            p.reserve_for("gpt-4o-mini"),
+            Some(Reserve {
+                tokens: 5_000,
+                requests: 1
+            })
+        );
+        assert_eq!(p.reserve_for("ada"), None);
+        let m = messages(&format!("{EXAMPLE}\n[priority]\nstale_after = \"1ms\"\n[[priority.models]]\nmodels = [\"a b\"]\nlow_priority_tpm_threshold = 1\nlow_priority_rp10s_threshold = 1\n"));
+        assert!(
+            m.iter()
+                .any(|x| x.starts_with("priority.stale_after: must be between")),
+            "{m:?}"
+        );
+        assert!(
+            m.iter()
+                .any(|x| x.starts_with("priority.models[0].models[0]:")),
+            "{m:?}"
         );
     }
 

@@ -5,6 +5,7 @@
 //! parameters, so every rule here is a plain unit test.
 
 pub mod breaker;
+pub mod capacity;
 pub mod config;
 pub mod outcome;
 pub mod request;

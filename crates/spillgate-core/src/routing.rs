@@ -94,6 +94,53 @@ impl Pool {
         None
     }
 
+    /// Like [`Pool::select`], but inside the winning tier draws two members (by weight)
+    /// and keeps the one with the higher `score` (e.g. the share of its token limit still
+    /// free): the power of two choices, so throttling is avoided before it happens. With
+    /// an unknown score for either, the first draw stands.
+    pub fn select_scored(
+        &self,
+        usable: impl Fn(BackendId) -> bool,
+        score: impl Fn(BackendId) -> Option<f64>,
+        rng: &mut fastrand::Rng,
+    ) -> Option<BackendId> {
+        for tier in &self.tiers {
+            let total: u64 = tier
+                .members
+                .iter()
+                .filter(|(id, _)| usable(*id))
+                .map(|(_, w)| u64::from(*w))
+                .sum();
+            if total == 0 {
+                continue;
+            }
+            let draw = |rng: &mut fastrand::Rng| {
+                let mut d = rng.u64(0..total);
+                for (id, w) in &tier.members {
+                    if !usable(*id) {
+                        continue;
+                    }
+                    let w = u64::from(*w);
+                    if d < w {
+                        return Some(*id);
+                    }
+                    d -= w;
+                }
+                None
+            };
+            let a = draw(rng)?;
+            let b = draw(rng)?;
+            if a == b {
+                return Some(a);
+            }
+            return Some(match (score(a), score(b)) {
+                (Some(x), Some(y)) if y > x => b,
+                _ => a,
+            });
+        }
+        None
+    }
+
     /// The first member in config order of the highest tier that passes `usable`: the
     /// seeds' "send it to the first backend anyway" target.
     pub fn first(&self, usable: impl Fn(BackendId) -> bool) -> Option<BackendId> {
@@ -402,6 +449,26 @@ mod tests {
     }
 
     #[test]
+    fn two_choices_prefer_headroom() {
+        let bs = vec![backend("full", 1, 1, None), backend("empty", 1, 1, None)];
+        let pool = pool_of_all(&bs);
+        let mut rng = fastrand::Rng::with_seed(3);
+        let score = |id: BackendId| Some(if id == 0 { 0.9 } else { 0.1 });
+        let n = 10_000;
+        let full = (0..n)
+            .filter(|_| pool.select_scored(|_| true, score, &mut rng) == Some(0))
+            .count();
+        // Two draws pick the roomier one unless both land on the other: 1 - 1/4.
+        let share = full as f64 / n as f64;
+        assert!((share - 0.75).abs() < 0.02, "share {share}");
+        // Unknown scores fall back to plain weighted choice.
+        let half = (0..n)
+            .filter(|_| pool.select_scored(|_| true, |_| None, &mut rng) == Some(0))
+            .count();
+        assert!((half as f64 / n as f64 - 0.5).abs() < 0.02);
+    }
+
+    #[test]
     fn weights_split_traffic() {
         let bs = vec![backend("a", 1, 1, None), backend("b", 1, 3, None)];
         let pool = pool_of_all(&bs);
@@ -460,6 +527,23 @@ mod tests {
                 let expected = f64::from(*w) / f64::from(total);
                 let got = counts[i] as f64 / n as f64;
                 prop_assert!((expected - got).abs() < 0.03, "backend {} expected {} got {}", i, expected, got);
+            }
+        }
+
+        /// The scored choice keeps the same invariants: only usable members, only the
+        /// best tier.
+        #[test]
+        fn scored_selection_respects_readiness_and_tiers((bs, ready) in arb_pool(), seed in any::<u64>(), scores in prop::collection::vec(prop::option::of(0.0f64..1.0), 10)) {
+            let pool = pool_of_all(&bs);
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let chosen = pool.select_scored(|id| ready[id], |id| scores[id], &mut rng);
+            match chosen {
+                None => prop_assert!(ready.iter().all(|r| !r)),
+                Some(id) => {
+                    prop_assert!(ready[id]);
+                    let best = (0..bs.len()).filter(|&i| ready[i]).map(|i| bs[i].priority).min().unwrap();
+                    prop_assert_eq!(bs[id].priority, best);
+                }
             }
         }
 

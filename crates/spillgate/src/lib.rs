@@ -10,6 +10,7 @@ pub mod check;
 pub mod demo;
 pub mod errors;
 pub mod health;
+pub mod priority;
 pub mod proxy;
 pub mod server;
 pub mod state;

@@ -16,6 +16,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
+use spillgate_core::capacity::{parse_headers as parse_ratelimit, Admission};
 use spillgate_core::config::{is_safe_name, AllCoolingPolicy, BackendKind, Step};
 use spillgate_core::outcome::{cooldown_duration, retry_hint, CoolReason, Cooldown, Outcome};
 use spillgate_core::request::{
@@ -29,7 +30,7 @@ use tower_http::timeout::TimeoutBody;
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::errors::GatewayError;
-use crate::state::{BackendState, Probe, ProbeGuard};
+use crate::state::{BackendState, CapacityProbe, Probe, ProbeGuard};
 use crate::upstream::AttemptError;
 
 pub const HEADER_BACKEND: &str = "x-spillgate-backend";
@@ -209,6 +210,16 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         }
     };
 
+    // With request priority on, streams ask the backend for their usage chunk (removed
+    // again on the way back when the client did not ask for it).
+    let priority = snap.config.priority.as_ref();
+    let (body, strip_usage) =
+        match priority.and_then(|_| crate::priority::request_stream_usage(&body)) {
+            Some(b) => (Bytes::from(b), true),
+            None => (body, false),
+        };
+    let low = priority.is_some() && crate::priority::is_low(&parts.headers, parts.uri.query());
+
     let (model, body_info) = match deployment {
         Some(d) => (d.to_string(), None),
         None => match inspect_body(&body) {
@@ -261,6 +272,9 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         started,
         answered: false,
     };
+    let est_tokens = priority.map_or(0, |p| {
+        crate::priority::estimate_tokens(&body, operation, p.default_max_tokens)
+    });
     let ctx = Ctx {
         app: &app,
         snap: &snap,
@@ -270,6 +284,9 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         body,
         route_id,
         started,
+        low,
+        est_tokens,
+        strip_usage,
     };
     let outcome = attempt_loop(&ctx).await;
     guard.answered = true;
@@ -389,6 +406,12 @@ struct Ctx<'a> {
     body: Bytes,
     route_id: RouteId,
     started: tokio::time::Instant,
+    /// A low-priority request: admitted only from spare capacity.
+    low: bool,
+    /// Tokens the request may take from a deployment's quota (0 without `[priority]`).
+    est_tokens: u64,
+    /// The gateway added `include_usage`: remove the usage chunk on the way back.
+    strip_usage: bool,
 }
 
 /// A model to try and the route that serves it: the requested model first, then the
@@ -407,6 +430,9 @@ enum Ended {
         model: usize,
         attempts: u32,
         response: http::Response<Body>,
+        /// The response still holds the deployment's token reservation (no rate-limit
+        /// headers came): it is released, with the usage, when the body ends.
+        reserved: bool,
     },
     /// Nothing usable: every candidate failed, was tried, or is cooling down.
     Exhausted {
@@ -417,6 +443,11 @@ enum Ended {
     BudgetExhausted { attempts: u32, state: BudgetState },
     /// The request's deadline passed before a response.
     DeadlineExceeded { attempts: u32, deadline: Duration },
+    /// A low-priority request with no spare capacity anywhere it may go.
+    PriorityRefused {
+        attempts: u32,
+        retry_after: Duration,
+    },
 }
 
 /// What to do next in the attempt loop.
@@ -439,6 +470,7 @@ enum Next {
 struct Probes {
     _resource: Option<ProbeGuard>,
     _deployment: Option<ProbeGuard>,
+    _capacity: Option<CapacityProbe>,
 }
 
 /// Takes the probe slots a recovering resource or deployment needs, or `None` when
@@ -457,6 +489,7 @@ fn take_probes(backend: &BackendRt, deployment: &Arc<BackendState>) -> Option<Pr
     Some(Probes {
         _resource: resource,
         _deployment: dep,
+        _capacity: None,
     })
 }
 
@@ -478,15 +511,33 @@ fn select_backend(
     rng: &mut fastrand::Rng,
 ) -> Option<(BackendId, usize, Probes)> {
     let backends = &ctx.snap.backends;
+    let priority = ctx.snap.config.priority.as_ref();
     let mut busy: Vec<BackendId> = Vec::new();
     for (ci, c) in chain.iter().enumerate() {
         let pool = &ctx.snap.config.table.routes[c.route].pool;
+        let reserve = if ctx.low {
+            priority.and_then(|p| p.reserve_for(c.model).map(|r| (p, r)))
+        } else {
+            None
+        };
+        let admission = |id: BackendId| -> Admission {
+            match (&reserve, backends[id].deployment_state(c.model)) {
+                (Some((p, r)), Some(d)) => d.admit_low(ctx.est_tokens, *r, &p.capacity, now),
+                _ => Admission::Admit,
+            }
+        };
         loop {
-            let pick = pool.select(
+            let pick = pool.select_scored(
                 |id| {
                     !tried.contains(&id)
                         && !busy.contains(&id)
                         && usable(&backends[id], c.model, now)
+                        && !matches!(admission(id), Admission::Refuse(_))
+                },
+                |id| {
+                    backends[id]
+                        .deployment_state(c.model)
+                        .and_then(|d| d.headroom(now))
                 },
                 rng,
             );
@@ -495,14 +546,57 @@ fn select_backend(
                 busy.push(id);
                 continue;
             };
-            match take_probes(&backends[id], &dep) {
-                Some(probes) => return Some((id, ci, probes)),
+            let Some(mut probes) = take_probes(&backends[id], &dep) else {
                 // Another request took a probe slot between the check and now.
-                None => busy.push(id),
+                busy.push(id);
+                continue;
+            };
+            if admission(id) == Admission::Probe {
+                match dep.acquire_capacity_probe() {
+                    Some(p) => probes._capacity = Some(p),
+                    None => {
+                        busy.push(id);
+                        continue;
+                    }
+                }
             }
+            return Some((id, ci, probes));
         }
     }
     None
+}
+
+/// For a low-priority request that found no backend: when the soonest candidate that is
+/// not cooling will have capacity to spare, if capacity is why it was refused.
+fn priority_refusal(
+    ctx: &Ctx<'_>,
+    chain: &[Candidate<'_>],
+    tried: &[BackendId],
+    now: u64,
+) -> Option<Duration> {
+    let p = ctx.snap.config.priority.as_ref()?;
+    if !ctx.low {
+        return None;
+    }
+    candidates(ctx, chain)
+        .filter(|(id, _)| !tried.contains(id))
+        .filter_map(|(id, ci)| {
+            let model = chain[ci].model;
+            let b = &ctx.snap.backends[id];
+            if !usable(b, model, now) {
+                return None;
+            }
+            let reserve = p.reserve_for(model)?;
+            match b
+                .deployment_state(model)?
+                .admit_low(ctx.est_tokens, reserve, &p.capacity, now)
+            {
+                Admission::Refuse(wait) => Some(wait.unwrap_or(1_000)),
+                _ => None,
+            }
+        })
+        .min()
+        .map(|ms| Duration::from_millis(ms.max(1_000)))
 }
 
 /// Every `(backend, model)` pair that could serve the request: the pool of the requested
@@ -610,6 +704,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             Next::Select => match select_backend(ctx, &chain, &tried, now, &mut rng) {
                 Some((id, ci, probes)) => (id, ci, 0, probes, false),
                 None => {
+                    if let Some(retry_after) = priority_refusal(ctx, &chain, &tried, now) {
+                        tracing::info!(model = %ctx.req.model, est_tokens = ctx.est_tokens, retry_after_ms = retry_after.as_millis() as u64, "low-priority request refused: no spare capacity");
+                        return Ended::PriorityRefused {
+                            attempts,
+                            retry_after,
+                        };
+                    }
                     // Every untried candidate is cooling down (or none is left).
                     let soonest = candidates(ctx, &chain)
                         .filter(|(id, _)| !tried.contains(id))
@@ -686,8 +787,27 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         // request is over, and the backend is not to blame.
         let deadline_bound = remaining.is_some_and(|r| r < first_byte);
         let timeout = remaining.map_or(first_byte, |r| r.min(first_byte));
+        let track = snap.config.priority.as_ref();
+        if track.is_some() {
+            deployment.reserve(ctx.est_tokens);
+        }
         let result = app.upstream.send(upstream_req, timeout).await;
         let now = app.clock.now_ms();
+        // What the response says about the deployment's remaining capacity. When it says
+        // something, the reservation ends here (the backend has counted the request);
+        // otherwise it ends with the response, corrected by its usage.
+        let mut reserved = track.is_some();
+        if let (Some(p), Ok(resp)) = (track, &result) {
+            let h = parse_ratelimit(|n| resp.headers().get(n).and_then(|v| v.to_str().ok()));
+            if !h.is_empty() {
+                deployment.observe_capacity(&h, &p.capacity, now);
+                deployment.release(ctx.est_tokens, None, now);
+                reserved = false;
+            }
+        } else if reserved && result.is_err() {
+            deployment.release(ctx.est_tokens, None, now);
+            reserved = false;
+        }
         let (attempt, outcome, hint, response) = match result {
             Ok(resp) => {
                 let status = resp.status().as_u16();
@@ -772,6 +892,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         model: ci,
                         attempts,
                         response,
+                        reserved,
                     }
                 }
                 None => {
@@ -780,6 +901,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             },
             Step::Switch => {
+                if reserved {
+                    deployment.release(ctx.est_tokens, None, now);
+                }
                 failures.push(outcome);
                 match response {
                     Some(r) if !outcome.fails_over() => {
@@ -793,6 +917,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             }
             Step::RetrySame(wait) => {
+                if reserved {
+                    deployment.release(ctx.est_tokens, None, now);
+                }
                 discard(response);
                 tracing::debug!(backend = %backend.cfg.name, wait_ms = wait.as_millis() as u64, tries = tries_before + 1, "retrying the same backend");
                 next = Next::Same {
@@ -820,6 +947,7 @@ fn give_up(
             model,
             attempts,
             response,
+            reserved: false,
         },
         None => Ended::Exhausted { attempts, failures },
     }
@@ -994,18 +1122,23 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client) -> Response {
             model,
             attempts,
             response,
+            reserved,
         } => {
             let b = &snap.backends[backend];
-            let served_model = if model == 0 {
-                req.model.as_str()
-            } else {
-                route
-                    .fallback
-                    .get(model - 1)
-                    .map_or(req.model.as_str(), String::as_str)
-            };
+            let chain = fallback_chain(ctx);
+            let served_model = chain.get(model).map_or(req.model.as_str(), |c| c.model);
             let (parts, body) = response.into_parts();
             let mut headers = response_headers(&parts.headers);
+            let sse = parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"));
+            let strip = ctx.strip_usage && sse;
+            if strip {
+                // The body changes length when the usage chunk is taken out.
+                headers.remove(header::CONTENT_LENGTH);
+            }
             headers.insert(HEADER_BACKEND, b.name_header.clone());
             headers.insert(HEADER_ATTEMPTS, HeaderValue::from(attempts));
             if let Ok(v) = HeaderValue::from_str(served_model) {
@@ -1019,10 +1152,26 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client) -> Response {
                 backend = %b.cfg.name,
                 status = parts.status.as_u16(),
                 attempts,
+                priority = if ctx.low { "low" } else { "high" },
                 ttfb_ms = elapsed_ms,
                 "request"
             );
             let idle = snap.config.timeouts.idle;
+            // With request priority on, the response's usage releases the reservation
+            // (and corrects the tracked capacity) when the body ends.
+            let body = if snap.config.priority.is_some() {
+                let dep = b.deployment_state(served_model);
+                let est = ctx.est_tokens;
+                let clock = ctx.app.clock;
+                let on_usage: crate::priority::OnUsage = Box::new(move |used| {
+                    if let (true, Some(d)) = (reserved, dep) {
+                        d.release(est, used, clock.now_ms());
+                    }
+                });
+                Body::new(crate::priority::UsageTap::new(body, sse, strip, on_usage))
+            } else {
+                body
+            };
             let mut resp = Response::new(Body::new(TimeoutBody::new(idle, body)));
             *resp.status_mut() = parts.status;
             *resp.headers_mut() = headers;
@@ -1057,6 +1206,19 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client) -> Response {
                             deadline.as_millis()
                         ),
                     ),
+                ),
+                        Ended::PriorityRefused { attempts, retry_after } => (
+                    attempts,
+                    GatewayError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "rate_limit_error",
+                        "low_priority_refused",
+                        format!(
+                            "This low-priority request was refused by the gateway, not by a backend: no backend serving model `{}` has capacity to spare above the reserve kept for high-priority traffic. Retry after the time in the Retry-After header.",
+                            req.model
+                        ),
+                    )
+                    .with_retry_after(retry_after),
                 ),
                 Ended::Served { .. } => unreachable_served(),
             };

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use spillgate_core::breaker::FailureWindow;
+use spillgate_core::capacity::{Admission, Capacity, CapacityPolicy, RateLimitHeaders, Reserve};
 use spillgate_core::outcome::{unix_ms, CoolReason, Cooldown};
 
 /// Wall-clock milliseconds derived from tokio's clock, so that paused-time tests move
@@ -61,6 +62,20 @@ pub struct BackendState {
     probe_in_flight: AtomicBool,
     /// Requests and failures in the breaker's window, when a breaker is configured.
     pub breaker: Option<Mutex<FailureWindow>>,
+    /// Spare capacity tracked from the deployment's rate-limit headers.
+    capacity: Mutex<Capacity>,
+    /// A low-priority probe sent because the capacity data was stale is in flight.
+    capacity_probe: AtomicBool,
+}
+
+/// Holds a deployment's low-priority capacity probe; frees it when dropped.
+#[derive(Debug)]
+pub struct CapacityProbe(Arc<BackendState>);
+
+impl Drop for CapacityProbe {
+    fn drop(&mut self) {
+        self.0.capacity_probe.store(false, Ordering::Release);
+    }
 }
 
 /// Whether a request may go to a backend, as far as recovery probing goes.
@@ -137,6 +152,68 @@ impl BackendState {
             Ok(_) => Probe::Acquired(ProbeGuard(Arc::clone(self))),
             Err(_) => Probe::Busy,
         }
+    }
+
+    /// Takes in a response's rate-limit headers.
+    pub fn observe_capacity(
+        &self,
+        headers: &RateLimitHeaders,
+        policy: &CapacityPolicy,
+        now_ms: u64,
+    ) {
+        if let Ok(mut c) = self.capacity.lock() {
+            c.observe(headers, policy, now_ms);
+        }
+    }
+
+    /// Reserves an in-flight request's estimated tokens.
+    pub fn reserve(&self, tokens: u64) {
+        if let Ok(mut c) = self.capacity.lock() {
+            c.reserve(tokens);
+        }
+    }
+
+    /// Releases a reservation; `used` (a response's usage) is taken off the tracked
+    /// tokens when the backend sent no rate-limit headers of its own.
+    pub fn release(&self, tokens: u64, used: Option<u64>, now_ms: u64) {
+        if let Ok(mut c) = self.capacity.lock() {
+            c.release(tokens);
+            if let Some(u) = used {
+                c.consume_tokens(u, now_ms);
+            }
+        }
+    }
+
+    pub fn admit_low(
+        &self,
+        tokens: u64,
+        reserve: Reserve,
+        policy: &CapacityPolicy,
+        now_ms: u64,
+    ) -> Admission {
+        let probing = self.capacity_probe.load(Ordering::Acquire);
+        self.capacity
+            .lock()
+            .map(|c| c.admit_low(tokens, reserve, policy, probing, now_ms))
+            .unwrap_or(Admission::Admit)
+    }
+
+    /// Takes the capacity probe slot, if free.
+    pub fn acquire_capacity_probe(self: &Arc<Self>) -> Option<CapacityProbe> {
+        self.capacity_probe
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| CapacityProbe(Arc::clone(self)))
+    }
+
+    /// Share of the token limit free now, when known.
+    pub fn headroom(&self, now_ms: u64) -> Option<f64> {
+        self.capacity.lock().ok().and_then(|c| c.headroom(now_ms))
+    }
+
+    /// A copy of the tracked capacity (for state views).
+    pub fn capacity(&self) -> Capacity {
+        self.capacity.lock().map(|c| c.clone()).unwrap_or_default()
     }
 
     /// The backend answered well: it is fully back.

@@ -1,0 +1,483 @@
+//! Request priority: which requests are low priority, how many tokens a request will
+//! take from a deployment's quota, and the actual usage its response reports.
+//!
+//! Low-priority requests are admitted only from spare capacity (see
+//! `spillgate_core::capacity`); every request, while in flight, holds a reservation of its
+//! estimated tokens so that concurrent requests are not all admitted against the same
+//! remaining count. The estimate counts prompt tokens with a real tokenizer (tiktoken's
+//! o200k_base, the GPT-4o family's) plus the completion allowance, as Azure charges quota
+//! at admission. The response's `usage` corrects the tracked capacity when the backend
+//! sends no rate-limit headers; for streams the gateway asks the backend for the usage
+//! chunk (`stream_options.include_usage`) and removes it again when the client did not
+//! ask for it.
+
+use std::pin::Pin;
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use serde::Deserialize;
+use tiktoken_rs::CoreBPE;
+
+/// Whether a request asks to be low priority: `x-priority: low` or `priority=low`.
+pub fn is_low(headers: &HeaderMap, query: Option<&str>) -> bool {
+    let header = headers
+        .get("x-priority")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("low"));
+    let param = query.is_some_and(|q| {
+        q.split('&').any(|kv| {
+            kv.split_once('=')
+                .is_some_and(|(k, v)| k == "priority" && v.eq_ignore_ascii_case("low"))
+        })
+    });
+    header || param
+}
+
+fn tokenizer() -> Option<&'static CoreBPE> {
+    static BPE: OnceLock<Option<CoreBPE>> = OnceLock::new();
+    BPE.get_or_init(|| match tiktoken_rs::o200k_base() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            tracing::warn!(error = %e, "tokenizer unavailable; estimating 4 bytes per token");
+            None
+        }
+    })
+    .as_ref()
+}
+
+/// Text longer than this is estimated at 4 bytes per token rather than tokenized, to
+/// bound the CPU one request can cost.
+const TOKENIZE_LIMIT: usize = 256 * 1024;
+
+fn count_text(text: &str) -> u64 {
+    match tokenizer() {
+        Some(bpe) if text.len() <= TOKENIZE_LIMIT => bpe.encode_ordinary(text).len() as u64,
+        _ => (text.len() as u64).div_ceil(4),
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct EstimateProbe {
+    #[serde(default)]
+    messages: Vec<serde_json::Value>,
+    #[serde(default)]
+    input: Option<serde_json::Value>,
+    #[serde(default)]
+    prompt: Option<serde_json::Value>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    max_output_tokens: Option<u64>,
+    n: Option<u64>,
+    best_of: Option<u64>,
+}
+
+/// Every string inside a JSON value (message contents, content parts, inputs).
+fn collect_text(v: &serde_json::Value, out: &mut String) {
+    match v {
+        serde_json::Value::String(s) => {
+            out.push_str(s);
+            out.push('\n');
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|x| collect_text(x, out)),
+        serde_json::Value::Object(o) => {
+            for (k, x) in o {
+                // Image data and URLs are not text tokens.
+                if k != "image_url" && k != "url" && k != "data" {
+                    collect_text(x, out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The tokens a request may take from a deployment's quota: prompt tokens plus the
+/// completion allowance (`max_tokens`, `max_completion_tokens` or `max_output_tokens`,
+/// else `default_max_tokens`) times `n` / `best_of`. Embeddings get no completion.
+pub fn estimate_tokens(body: &[u8], operation: &str, default_max_tokens: u64) -> u64 {
+    let probe: EstimateProbe = serde_json::from_slice(body).unwrap_or_default();
+    let mut text = String::new();
+    for m in &probe.messages {
+        collect_text(m, &mut text);
+    }
+    for v in [&probe.input, &probe.prompt].into_iter().flatten() {
+        collect_text(v, &mut text);
+    }
+    // A few tokens of framing per message, as the chat format adds them.
+    let prompt = if text.is_empty() && probe.messages.is_empty() {
+        (body.len() as u64).div_ceil(4)
+    } else {
+        count_text(&text) + 4 * probe.messages.len() as u64
+    };
+    if operation.starts_with("embeddings") {
+        return prompt.max(1);
+    }
+    let completion = probe
+        .max_tokens
+        .or(probe.max_completion_tokens)
+        .or(probe.max_output_tokens)
+        .unwrap_or(default_max_tokens);
+    let copies = probe.best_of.or(probe.n).unwrap_or(1).clamp(1, 128);
+    prompt
+        .saturating_add(completion.saturating_mul(copies))
+        .max(1)
+}
+
+/// For a streaming request without `stream_options.include_usage: true`, the body with
+/// it set, so the backend reports usage; `None` when nothing needs to change.
+pub fn request_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let obj = v.as_object_mut()?;
+    if obj.get("stream") != Some(&serde_json::Value::Bool(true)) {
+        return None;
+    }
+    let asked = obj
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false);
+    if asked {
+        return None;
+    }
+    match obj
+        .get_mut("stream_options")
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        Some(opts) => {
+            opts.insert("include_usage".into(), serde_json::Value::Bool(true));
+        }
+        None => {
+            obj.insert(
+                "stream_options".into(),
+                serde_json::json!({"include_usage": true}),
+            );
+        }
+    }
+    serde_json::to_vec(&v).ok()
+}
+
+#[derive(Deserialize)]
+struct UsageProbe {
+    usage: Option<Usage>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    total_tokens: Option<u64>,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    input_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+}
+
+impl Usage {
+    fn total(&self) -> Option<u64> {
+        self.total_tokens.or_else(|| {
+            let a = self.prompt_tokens.or(self.input_tokens)?;
+            let b = self.completion_tokens.or(self.output_tokens).unwrap_or(0);
+            Some(a + b)
+        })
+    }
+}
+
+/// The `usage` total of a JSON document, if it has one.
+pub fn usage_total(json: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<UsageProbe>(json)
+        .ok()?
+        .usage?
+        .total()
+}
+
+/// Largest non-streamed response body kept aside to read its `usage`.
+const JSON_TAP_LIMIT: usize = 4 * 1024 * 1024;
+
+/// Called once with the usage total a response reported (or `None`).
+pub type OnUsage = Box<dyn FnOnce(Option<u64>) + Send>;
+
+/// Passes a response body through while reading its `usage`. For SSE it works frame by
+/// frame (`\n\n`-separated) and, with `strip_usage_chunk`, drops the usage-only chunk the
+/// gateway asked for; every other byte goes through unchanged.
+pub struct UsageTap<B> {
+    inner: B,
+    sse: bool,
+    strip_usage_chunk: bool,
+    pending: BytesMut,
+    json: Vec<u8>,
+    usage: Option<u64>,
+    on_usage: Option<OnUsage>,
+}
+
+impl<B> UsageTap<B> {
+    pub fn new(inner: B, sse: bool, strip_usage_chunk: bool, on_usage: OnUsage) -> Self {
+        UsageTap {
+            inner,
+            sse,
+            strip_usage_chunk,
+            pending: BytesMut::new(),
+            json: Vec::new(),
+            usage: None,
+            on_usage: Some(on_usage),
+        }
+    }
+
+    fn finish(&mut self) {
+        if !self.sse && self.usage.is_none() {
+            self.usage = usage_total(&self.json);
+        }
+        if let Some(f) = self.on_usage.take() {
+            f(self.usage);
+        }
+    }
+
+    /// Splits complete SSE events off `pending`; returns the bytes to pass on.
+    fn take_events(&mut self) -> Bytes {
+        let mut out = BytesMut::new();
+        while let Some(end) = find_event_end(&self.pending) {
+            let event = self.pending.split_to(end);
+            let mut drop_it = false;
+            if let Some(payload) = sse_data(&event) {
+                if payload.windows(8).any(|w| w == b"\"usage\":") {
+                    if let Some(total) = usage_total(payload) {
+                        self.usage = Some(total);
+                        drop_it = self.strip_usage_chunk && is_usage_only_chunk(payload);
+                    }
+                }
+            }
+            if !drop_it {
+                out.extend_from_slice(&event);
+            }
+        }
+        out.freeze()
+    }
+}
+
+/// End (exclusive) of the first complete event: after its blank line.
+fn find_event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The `data:` payload of a one-line SSE event.
+fn sse_data(event: &[u8]) -> Option<&[u8]> {
+    let line = event.strip_prefix(b"data:")?;
+    let line = line.strip_prefix(b" ").unwrap_or(line);
+    let end = line
+        .iter()
+        .position(|c| *c == b'\n' || *c == b'\r')
+        .unwrap_or(line.len());
+    Some(&line[..end])
+}
+
+/// The chunk `include_usage` adds: empty `choices` and a `usage` object.
+fn is_usage_only_chunk(payload: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(payload)
+        .ok()
+        .and_then(|v| {
+            v.get("choices")
+                .and_then(|c| c.as_array())
+                .map(Vec::is_empty)
+        })
+        .unwrap_or(false)
+}
+
+impl<B> HttpBody for UsageTap<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        loop {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => {
+                    let rest = this.pending.split().freeze();
+                    this.finish();
+                    if rest.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(rest))));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.finish();
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(Some(Ok(frame))) => {
+                    let data = match frame.into_data() {
+                        Ok(d) => d,
+                        Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                    };
+                    if !this.sse {
+                        if this.json.len() + data.len() <= JSON_TAP_LIMIT {
+                            this.json.extend_from_slice(&data);
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                    this.pending.extend_from_slice(&data);
+                    let out = this.take_events();
+                    if !out.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                    }
+                    // Only a partial event so far (or a dropped usage chunk): read on.
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream() && self.pending.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.sse && self.strip_usage_chunk {
+            SizeHint::default()
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+impl<B> Drop for UsageTap<B> {
+    fn drop(&mut self) {
+        // A client that went away mid-response: still release the reservation.
+        if let Some(f) = self.on_usage.take() {
+            f(self.usage);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, StreamBody};
+    use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn low_priority_by_header_or_parameter() {
+        let mut h = HeaderMap::new();
+        assert!(!is_low(&h, None));
+        assert!(is_low(&h, Some("api-version=1&priority=low")));
+        assert!(!is_low(&h, Some("priority=lowish")));
+        h.insert("x-priority", "Low".parse().unwrap());
+        assert!(is_low(&h, None));
+        h.insert("x-priority", "high".parse().unwrap());
+        assert!(!is_low(&h, None));
+    }
+
+    #[test]
+    fn estimates_count_prompt_and_completion() {
+        let chat = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"Hello there, how are you today?"}],"max_tokens":100}"#;
+        let t = estimate_tokens(chat, "chat/completions", 1000);
+        // 8 text tokens + 4 framing + 100 completion.
+        assert!((108..=116).contains(&t), "{t}");
+        let no_max = br#"{"messages":[{"role":"user","content":"hi"}]}"#;
+        assert!(estimate_tokens(no_max, "chat/completions", 1000) > 1000);
+        let n3 = br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":10,"n":3}"#;
+        assert!((30..=40).contains(&estimate_tokens(n3, "chat/completions", 1000)));
+        let emb = br#"{"input":["one two three","four five"],"model":"e"}"#;
+        let e = estimate_tokens(emb, "embeddings", 1000);
+        assert!((4..=8).contains(&e), "{e}");
+        let parts = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"describe"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}],"max_tokens":1}"#;
+        assert!(estimate_tokens(parts, "chat/completions", 1000) < 20);
+        // Not JSON: bytes / 4.
+        assert_eq!(
+            estimate_tokens(b"--multipart-body--", "audio/transcriptions", 0),
+            5
+        );
+    }
+
+    #[test]
+    fn stream_usage_is_requested_only_when_missing() {
+        let b = request_stream_usage(br#"{"stream":true,"messages":[]}"#).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        let b = request_stream_usage(br#"{"stream":true,"stream_options":{"x":1}}"#).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(
+            v["stream_options"],
+            serde_json::json!({"x": 1, "include_usage": true})
+        );
+        assert_eq!(
+            request_stream_usage(br#"{"stream":true,"stream_options":{"include_usage":true}}"#),
+            None
+        );
+        assert_eq!(request_stream_usage(br#"{"stream":false}"#), None);
+        assert_eq!(request_stream_usage(b"not json"), None);
+    }
+
+    async fn run_tap(chunks: Vec<&'static str>, sse: bool, strip: bool) -> (String, Option<u64>) {
+        let stream = futures_util::stream::iter(chunks.into_iter().map(|c| {
+            Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(c.as_bytes())))
+        }));
+        let seen = Arc::new(Mutex::new(None));
+        let seen2 = Arc::clone(&seen);
+        let tap = UsageTap::new(
+            StreamBody::new(stream),
+            sse,
+            strip,
+            Box::new(move |u| *seen2.lock().unwrap() = Some(u)),
+        );
+        let out = tap.collect().await.unwrap().to_bytes();
+        let usage = seen.lock().unwrap().take().flatten();
+        (String::from_utf8(out.to_vec()).unwrap(), usage)
+    }
+
+    const CHUNK: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+    const USAGE: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":7,\"total_tokens\":12}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    #[tokio::test]
+    async fn sse_usage_chunk_removed_when_the_client_did_not_ask() {
+        let (out, usage) = run_tap(vec![CHUNK, USAGE, DONE], true, true).await;
+        assert_eq!(out, format!("{CHUNK}{DONE}"));
+        assert_eq!(usage, Some(12));
+        // Frames split across network chunks are reassembled, bytes unchanged.
+        let (out, usage) = run_tap(
+            vec![
+                "data: {\"choices\":[{\"de",
+                "lta\":{}}]}\n",
+                "\n",
+                USAGE,
+                "data: [DO",
+                "NE]\n\n",
+            ],
+            true,
+            true,
+        )
+        .await;
+        assert_eq!(
+            out,
+            "data: {\"choices\":[{\"delta\":{}}]}\n\ndata: [DONE]\n\n"
+        );
+        assert_eq!(usage, Some(12));
+    }
+
+    #[tokio::test]
+    async fn sse_usage_kept_when_the_client_asked() {
+        let (out, usage) = run_tap(vec![CHUNK, USAGE, DONE], true, false).await;
+        assert_eq!(out, format!("{CHUNK}{USAGE}{DONE}"));
+        assert_eq!(usage, Some(12));
+    }
+
+    #[tokio::test]
+    async fn json_usage_is_read_and_bytes_pass_through() {
+        let body = r#"{"id":"x","usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
+        let (out, usage) = run_tap(vec![&body[..10], &body[10..]], false, false).await;
+        assert_eq!(out, body);
+        assert_eq!(usage, Some(7));
+        let (_, usage) = run_tap(vec!["{\"no\":1}"], false, false).await;
+        assert_eq!(usage, None);
+    }
+}
