@@ -13,6 +13,7 @@ pub mod health;
 pub mod priority;
 pub mod proxy;
 pub mod server;
+pub mod sim;
 pub mod state;
 pub mod upstream;
 

@@ -1,0 +1,167 @@
+//! Request-priority throughputs against simulated Azure limits.
+//!
+//! `cargo bench -p spillgate --bench priority` runs each scenario for minutes of
+//! simulated time (tokio's clock paused, so it takes seconds) and prints a markdown table:
+//! what low- and high-priority traffic got, against the deployment's limit and the reserve
+//! kept for high priority. Under `cargo test --benches` it runs a short smoke pass.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "benchmark driver"
+)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use spillgate::app::App;
+use spillgate::sim::{drive, Second, SimLimits, SimUpstream};
+
+const KEY: &str = "bench-key";
+
+fn body() -> Bytes {
+    Bytes::from_static(br#"{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}"#)
+}
+
+fn gateway(
+    backends: &[(&str, u32)],
+    sim: SimUpstream,
+    reserve_tokens: u64,
+    reserve_requests: u64,
+) -> axum::Router {
+    let mut text = format!(
+        "[auth]\nclient_keys = [\"env:K\"]\n[priority]\nstale_after = \"5s\"\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = {reserve_tokens}\nlow_priority_rp10s_threshold = {reserve_requests}\n"
+    );
+    for (name, p) in backends {
+        text.push_str(&format!(
+            "[[backends]]\nname = \"{name}\"\nkind = \"azure\"\nurl = \"http://{name}\"\npriority = {p}\napi_key = \"env:K\"\n"
+        ));
+    }
+    let config =
+        spillgate_core::config::load(&text, &|_| Some(KEY.to_string()), &|_| Err(String::new()))
+            .unwrap();
+    spillgate::server::router(App::with_upstream(config, Arc::new(sim)).unwrap())
+}
+
+fn limits(tpm: u64, rpm: u64) -> Option<SimLimits> {
+    Some(SimLimits {
+        tpm,
+        rpm,
+        window: Duration::from_secs(10),
+    })
+}
+
+fn rate(seen: &[Second], from: usize, to: usize, f: impl Fn(&Second) -> u64) -> f64 {
+    let to = to.min(seen.len());
+    seen[from..to].iter().map(f).sum::<u64>() as f64 / (to - from).max(1) as f64
+}
+
+fn longest_zero(seen: &[Second], from: usize, f: impl Fn(&Second) -> u64) -> usize {
+    let (mut best, mut run) = (0, 0);
+    for s in &seen[from..seen.len().saturating_sub(1)] {
+        if f(s) == 0 {
+            run += 1;
+            best = best.max(run);
+        } else {
+            run = 0;
+        }
+    }
+    best
+}
+
+async fn run(secs: u64) {
+    let cost = spillgate::sim::request_cost(&body()) as f64;
+    let latency = Duration::from_millis(300);
+    println!("| scenario | traffic | served req/s | of capacity | notes |");
+    println!("|---|---|---:|---:|---|");
+
+    // Single priority: only low, offered at 2x capacity; 60k TPM, 30% reserve.
+    let sim = SimUpstream::new(&[("ptu", limits(60_000, 600), latency)]);
+    let seen = drive(
+        gateway(&[("ptu", 1)], sim.clone(), 3_000, 30),
+        secs,
+        |_| (0.0, 20.0),
+        body(),
+        KEY,
+    )
+    .await;
+    let capacity = 1_000.0 / cost;
+    let low = rate(&seen, 10, secs as usize, |s| s.low_ok);
+    println!(
+        "| single priority | low only, 20 req/s offered | {low:.2} | {:.0}% ({:.0}% of limit - reserve) | longest second-run with nothing served: {} s; backend 429s: {} |",
+        100.0 * low / capacity,
+        100.0 * low / (capacity * 0.7),
+        longest_zero(&seen, 10, |s| s.low_ok),
+        sim.backend("ptu").unwrap().stats().throttled
+    );
+
+    // Cycle: 30 s phases of high 6 req/s + low flood, then the flood alone.
+    let sim = SimUpstream::new(&[("ptu", limits(60_000, 600), latency)]);
+    let phase = |t: f64| ((t / 30.0) as u64).is_multiple_of(2);
+    let seen = drive(
+        gateway(&[("ptu", 1)], sim.clone(), 3_000, 30),
+        secs.max(60),
+        |t| if phase(t) { (6.0, 20.0) } else { (0.0, 20.0) },
+        body(),
+        KEY,
+    )
+    .await;
+    let high_429: u64 = seen.iter().map(|s| s.high_429).sum();
+    println!(
+        "| cycle, high phase | high 6 req/s + low 20 req/s | high {:.2}, low {:.2} | {:.0}% | high-priority 429s: {high_429} |",
+        rate(&seen, 5, 30, |s| s.high_ok),
+        rate(&seen, 5, 30, |s| s.low_ok),
+        100.0 * (rate(&seen, 5, 30, |s| s.high_ok) + rate(&seen, 5, 30, |s| s.low_ok)) / capacity
+    );
+    println!(
+        "| cycle, low phase | low 20 req/s | {:.2} | {:.0}% | |",
+        rate(&seen, 35, 60, |s| s.low_ok),
+        100.0 * rate(&seen, 35, 60, |s| s.low_ok) / capacity
+    );
+
+    // Spill: small PTU (30k TPM) at priority 1, large pay-as-you-go (240k) at priority 2.
+    let sim = SimUpstream::new(&[
+        ("ptu", limits(30_000, 300), latency),
+        ("paygo", limits(240_000, 2_400), latency),
+    ]);
+    let seen = drive(
+        gateway(&[("ptu", 1), ("paygo", 2)], sim.clone(), 3_000, 3),
+        secs,
+        |_| (2.0, 20.0),
+        body(),
+        KEY,
+    )
+    .await;
+    let on = |b: &'static str| {
+        rate(&seen, 5, secs as usize, move |s| {
+            s.by_backend.get(b).copied().unwrap_or(0)
+        })
+    };
+    println!(
+        "| spill | high 2 req/s + low 20 req/s | {:.2} (ptu {:.2}, paygo {:.2}) | ptu {:.0}% | low refused: {}, high 429s: {} |",
+        on("ptu") + on("paygo"),
+        on("ptu"),
+        on("paygo"),
+        100.0 * on("ptu") / (500.0 / cost),
+        seen.iter().map(|s| s.low_refused).sum::<u64>(),
+        seen.iter().map(|s| s.high_429).sum::<u64>()
+    );
+}
+
+fn main() {
+    // `cargo bench` passes --bench; `cargo test --benches` does not: a short smoke run.
+    let full = std::env::args().any(|a| a == "--bench");
+    let secs = if full { 600 } else { 40 };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    println!(
+        "priority admission, {secs} s of simulated time per scenario (request ~{} tokens):\n",
+        spillgate::sim::request_cost(&body())
+    );
+    rt.block_on(run(secs));
+}
