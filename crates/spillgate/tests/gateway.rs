@@ -965,3 +965,88 @@ async fn connections_beyond_the_limit_wait_for_a_free_slot() {
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert_eq!(env.hits(), vec![2]);
 }
+
+// ---------------------------------------------------------------------------------------
+// Request priority over real HTTP
+// ---------------------------------------------------------------------------------------
+
+const PRIORITY: &str = "[priority]\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = 100\nlow_priority_rp10s_threshold = 5\n";
+
+#[tokio::test]
+async fn low_priority_is_refused_from_the_backends_rate_limit_headers() {
+    // 60 RPM over 10 s windows: 10 requests per window; 5 are kept for high priority.
+    let mock = MockBackend::start(MockConfig {
+        name: "ptu".into(),
+        expect_api_key: Some(BACKEND_KEYS[0].into()),
+        limits: Some(spillgate_mock::Limits {
+            rpm: 60,
+            tpm: 600_000,
+            window: Duration::from_secs(10),
+        }),
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let env = Env::start_with(vec![b("ptu", 1)], vec![mock], "", PRIORITY).await;
+    let low = || env.request("POST", "/v1/chat/completions?priority=low", CHAT);
+    let mut served = 0;
+    let mut refusal = None;
+    for _ in 0..10 {
+        let (status, h, body) = env.send(low(), CHAT).await;
+        if status == 200 {
+            served += 1;
+        } else {
+            refusal = Some((status, h, body));
+            break;
+        }
+    }
+    let (status, h, body) = refusal.expect("refused once the reserve is reached");
+    assert_eq!(status, 429);
+    assert_eq!(json(&body)["error"]["code"], "low_priority_refused");
+    assert!(header(&h, "retry-after").parse::<u64>().unwrap() >= 1);
+    assert!(
+        (4..=5).contains(&served),
+        "{served} low-priority requests before the reserve"
+    );
+    // The gateway refused it: the backend never saw it, and high priority still goes.
+    assert_eq!(env.mocks[0].hits(), served as u64);
+    assert_eq!(env.mocks[0].hits_429(), 0);
+    let (status, _, _) = env.chat().await;
+    assert_eq!(status, 200);
+    // The priority parameter and header are the gateway's: never forwarded.
+    for r in env.mocks[0].requests() {
+        assert_eq!(r.query.as_deref(), Some("api-version=2024-10-21"));
+        assert_eq!(r.header("x-priority"), None);
+    }
+}
+
+#[tokio::test]
+async fn stream_usage_is_requested_and_removed_when_the_client_did_not_ask() {
+    let env = Env::start(vec![b("ptu", 1)], PRIORITY).await;
+    let stream = r#"{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let (status, _, body) = env.post("/v1/chat/completions", stream).await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    assert!(
+        !text.contains("\"usage\""),
+        "no usage chunk the client did not ask for: {text}"
+    );
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    assert_eq!(text.matches("data: {").count(), 5);
+    let sent = json(env.mocks[0].requests()[0].body.as_bytes());
+    assert_eq!(
+        sent["stream_options"]["include_usage"], true,
+        "the gateway asked the backend"
+    );
+    // A client that asks gets it, unchanged.
+    let asked =
+        r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[]}"#;
+    let (_, _, body) = env.post("/v1/chat/completions", asked).await;
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    assert_eq!(text.matches("\"usage\"").count(), 1, "{text}");
+    assert_eq!(
+        env.mocks[0].requests()[1].body,
+        asked,
+        "body forwarded as sent"
+    );
+}
