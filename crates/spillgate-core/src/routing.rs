@@ -69,29 +69,8 @@ impl Pool {
         usable: impl Fn(BackendId) -> bool,
         rng: &mut fastrand::Rng,
     ) -> Option<BackendId> {
-        for tier in &self.tiers {
-            let total: u64 = tier
-                .members
-                .iter()
-                .filter(|(id, _)| usable(*id))
-                .map(|(_, w)| u64::from(*w))
-                .sum();
-            if total == 0 {
-                continue;
-            }
-            let mut draw = rng.u64(0..total);
-            for (id, w) in &tier.members {
-                if !usable(*id) {
-                    continue;
-                }
-                let w = u64::from(*w);
-                if draw < w {
-                    return Some(*id);
-                }
-                draw -= w;
-            }
-        }
-        None
+        let (tier, total) = self.first_usable_tier(&usable)?;
+        draw(tier, &usable, total, rng)
     }
 
     /// Like [`Pool::select`], but inside the winning tier draws two members (by weight)
@@ -104,41 +83,26 @@ impl Pool {
         score: impl Fn(BackendId) -> Option<f64>,
         rng: &mut fastrand::Rng,
     ) -> Option<BackendId> {
-        for tier in &self.tiers {
+        let (tier, total) = self.first_usable_tier(&usable)?;
+        let a = draw(tier, &usable, total, rng)?;
+        let b = draw(tier, &usable, total, rng)?;
+        Some(match (score(a), score(b)) {
+            (Some(x), Some(y)) if y > x => b,
+            _ => a,
+        })
+    }
+
+    /// The highest tier with a usable member, and the usable members' total weight.
+    fn first_usable_tier(&self, usable: &impl Fn(BackendId) -> bool) -> Option<(&Tier, u64)> {
+        self.tiers.iter().find_map(|tier| {
             let total: u64 = tier
                 .members
                 .iter()
                 .filter(|(id, _)| usable(*id))
                 .map(|(_, w)| u64::from(*w))
                 .sum();
-            if total == 0 {
-                continue;
-            }
-            let draw = |rng: &mut fastrand::Rng| {
-                let mut d = rng.u64(0..total);
-                for (id, w) in &tier.members {
-                    if !usable(*id) {
-                        continue;
-                    }
-                    let w = u64::from(*w);
-                    if d < w {
-                        return Some(*id);
-                    }
-                    d -= w;
-                }
-                None
-            };
-            let a = draw(rng)?;
-            let b = draw(rng)?;
-            if a == b {
-                return Some(a);
-            }
-            return Some(match (score(a), score(b)) {
-                (Some(x), Some(y)) if y > x => b,
-                _ => a,
-            });
-        }
-        None
+            (total > 0).then_some((tier, total))
+        })
     }
 
     /// The first member in config order of the highest tier that passes `usable`: the
@@ -146,6 +110,27 @@ impl Pool {
     pub fn first(&self, usable: impl Fn(BackendId) -> bool) -> Option<BackendId> {
         self.members().find(|id| usable(*id))
     }
+}
+
+/// One usable member of `tier`, drawn with probability proportional to its weight.
+fn draw(
+    tier: &Tier,
+    usable: &impl Fn(BackendId) -> bool,
+    total: u64,
+    rng: &mut fastrand::Rng,
+) -> Option<BackendId> {
+    let mut d = rng.u64(0..total);
+    for (id, w) in &tier.members {
+        if !usable(*id) {
+            continue;
+        }
+        let w = u64::from(*w);
+        if d < w {
+            return Some(*id);
+        }
+        d -= w;
+    }
+    None
 }
 
 /// How a route names the models it serves.

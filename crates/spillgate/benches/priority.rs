@@ -12,11 +12,9 @@
     reason = "benchmark driver"
 )]
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use spillgate::app::App;
 use spillgate::sim::{drive, Second, SimLimits, SimUpstream};
 
 const KEY: &str = "bench-key";
@@ -31,18 +29,14 @@ fn gateway(
     reserve_tokens: u64,
     reserve_requests: u64,
 ) -> axum::Router {
-    let mut text = format!(
-        "[auth]\nclient_keys = [\"env:K\"]\n[priority]\nstale_after = \"5s\"\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = {reserve_tokens}\nlow_priority_rp10s_threshold = {reserve_requests}\n"
-    );
-    for (name, p) in backends {
-        text.push_str(&format!(
-            "[[backends]]\nname = \"{name}\"\nkind = \"azure\"\nurl = \"http://{name}\"\npriority = {p}\napi_key = \"env:K\"\n"
-        ));
-    }
-    let config =
-        spillgate_core::config::load(&text, &|_| Some(KEY.to_string()), &|_| Err(String::new()))
-            .unwrap();
-    spillgate::server::router(App::with_upstream(config, Arc::new(sim)).unwrap())
+    spillgate::sim::gateway(
+        sim,
+        backends,
+        &spillgate::sim::priority_config(reserve_tokens, reserve_requests),
+        KEY,
+    )
+    .unwrap()
+    .1
 }
 
 fn limits(tpm: u64, rpm: u64) -> Option<SimLimits> {

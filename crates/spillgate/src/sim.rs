@@ -409,3 +409,33 @@ pub async fn drive(
     let result = out.lock().map(|o| o.clone()).unwrap_or_default();
     result
 }
+
+/// The gateway over simulated backends `(name, priority)` (Azure kind, reached as
+/// `http://{name}`), with `extra` config appended (e.g. a `[priority]` table) and clients
+/// authenticating with `key`.
+pub fn gateway(
+    sim: SimUpstream,
+    backends: &[(&str, u32)],
+    extra: &str,
+    key: &str,
+) -> anyhow::Result<(Arc<crate::app::App>, axum::Router)> {
+    let mut text = format!("[auth]\nclient_keys = [\"env:K\"]\n{extra}\n");
+    for (name, priority) in backends {
+        text.push_str(&format!(
+            "[[backends]]\nname = \"{name}\"\nkind = \"azure\"\nurl = \"http://{name}\"\npriority = {priority}\napi_key = \"env:K\"\n"
+        ));
+    }
+    let config =
+        spillgate_core::config::load(&text, &|_| Some(key.to_string()), &|_| Err(String::new()))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let app = crate::app::App::with_upstream(config, Arc::new(sim))?;
+    let router = crate::server::router(Arc::clone(&app));
+    Ok((app, router))
+}
+
+/// A `[priority]` table reserving `tokens` and `requests` for high priority on `gpt-4o`.
+pub fn priority_config(tokens: u64, requests: u64) -> String {
+    format!(
+        "[priority]\nstale_after = \"5s\"\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = {tokens}\nlow_priority_rp10s_threshold = {requests}\n"
+    )
+}

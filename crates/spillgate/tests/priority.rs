@@ -47,20 +47,13 @@ fn gateway(
     reserve_tokens: u64,
     reserve_requests: u64,
 ) -> (Arc<App>, axum::Router) {
-    let mut text = format!(
-        "[auth]\nclient_keys = [\"env:K\"]\n[priority]\nstale_after = \"5s\"\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = {reserve_tokens}\nlow_priority_rp10s_threshold = {reserve_requests}\n"
-    );
-    for (name, priority) in backends {
-        text.push_str(&format!(
-            "[[backends]]\nname = \"{name}\"\nkind = \"azure\"\nurl = \"http://{name}\"\npriority = {priority}\napi_key = \"env:K\"\n"
-        ));
-    }
-    let config =
-        spillgate_core::config::load(&text, &|_| Some(KEY.to_string()), &|_| Err(String::new()))
-            .unwrap();
-    let app = App::with_upstream(config, Arc::new(sim)).unwrap();
-    let router = spillgate::server::router(Arc::clone(&app));
-    (app, router)
+    spillgate::sim::gateway(
+        sim,
+        backends,
+        &spillgate::sim::priority_config(reserve_tokens, reserve_requests),
+        KEY,
+    )
+    .unwrap()
 }
 
 fn total(seconds: &[Second], f: impl Fn(&Second) -> u64) -> u64 {
