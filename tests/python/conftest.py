@@ -276,6 +276,9 @@ def gateway_toml(ptu_url: str, paygo_url: str, log_level: str = "debug") -> str:
 [server]
 listen = "127.0.0.1:0"
 
+[admin]
+listen = "127.0.0.1:0"
+
 [auth]
 client_keys = ["env:{CLIENT_KEY_VAR}"]
 

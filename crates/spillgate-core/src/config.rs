@@ -91,6 +91,16 @@ pub struct FileConfig {
     pub circuit_breaker: Option<FileBreaker>,
     /// Request priority: low-priority admission from tracked spare capacity.
     pub priority: Option<FilePriority>,
+    #[serde(default)]
+    pub admin: FileAdmin,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileAdmin {
+    pub enabled: Option<bool>,
+    pub listen: Option<String>,
+    pub token: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -392,7 +402,19 @@ pub struct Config {
     pub table: Arc<RoutingTable>,
     /// Request priority; `None` = every request is treated as high priority.
     pub priority: Option<PriorityConfig>,
+    pub admin: AdminConfig,
 }
+
+/// The separate admin listener: metrics, state, dashboard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminConfig {
+    /// `None` when disabled.
+    pub listen: Option<SocketAddr>,
+    /// When set, admin requests need `Authorization: Bearer <token>`.
+    pub token: Option<Secret>,
+}
+
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 
 /// Low-priority admission: reserves per model and how capacity is estimated.
 #[derive(Debug, Clone, PartialEq)]
@@ -1538,6 +1560,27 @@ fn validate(
     }
     let table = Arc::new(table);
     let priority = file.priority.map(|p| validate_priority(p, &mut errors));
+    let admin = AdminConfig {
+        listen: if file.admin.enabled == Some(false) {
+            None
+        } else {
+            let raw = file.admin.listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN);
+            match raw.parse::<SocketAddr>() {
+                Ok(a) if a == server.listen && a.port() != 0 => {
+                    errors.push("admin.listen", "must differ from server.listen: the admin endpoints never share the public port");
+                    None
+                }
+                Ok(a) => Some(a),
+                Err(_) => {
+                    errors.push("admin.listen", format!("must be an IP address and port such as \"127.0.0.1:9090\", got {raw:?}"));
+                    None
+                }
+            }
+        },
+        token: file.admin.token.as_deref().and_then(|t| {
+            resolve_secret(t, "admin.token", &mut errors, lookup_env, read_file).map(|(_, s)| s)
+        }),
+    };
     if !errors.0.is_empty() {
         return Err(ConfigErrors(errors.0));
     }
@@ -1551,6 +1594,7 @@ fn validate(
         backends,
         table,
         priority,
+        admin,
     })
 }
 

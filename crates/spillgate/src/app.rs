@@ -180,10 +180,10 @@ impl BackendRt {
     }
 }
 
-/// Live state of one route: its retry budget.
+/// Live state of one route: its retry budget (kept across reloads by route name).
 #[derive(Debug)]
 pub struct RouteRt {
-    pub budget: Mutex<RetryBudget>,
+    pub budget: Arc<Mutex<RetryBudget>>,
 }
 
 /// An immutable view of one loaded config.
@@ -196,6 +196,10 @@ pub struct Snapshot {
     pub client_keys: ClientKeys,
     /// The `GET /v1/models` answer, built once per config.
     pub models_json: bytes::Bytes,
+    /// 1 for the config loaded at start, +1 for each reload that took effect.
+    pub version: u64,
+    /// When this config took effect (unix milliseconds).
+    pub loaded_at_ms: u64,
 }
 
 impl Snapshot {
@@ -236,9 +240,23 @@ impl Snapshot {
             .routes
             .iter()
             .map(|r| {
+                let kept =
+                    previous.and_then(|p| {
+                        let i =
+                            p.config.table.routes.iter().position(|o| {
+                                o.name == r.name && o.retry.budget == r.retry.budget
+                            })?;
+                        Some(Arc::clone(&p.routes[i].budget))
+                    });
                 let b = r.retry.budget;
                 RouteRt {
-                    budget: Mutex::new(RetryBudget::new(b.ratio, b.min_per_second, b.window)),
+                    budget: kept.unwrap_or_else(|| {
+                        Arc::new(Mutex::new(RetryBudget::new(
+                            b.ratio,
+                            b.min_per_second,
+                            b.window,
+                        )))
+                    }),
                 }
             })
             .collect();
@@ -255,6 +273,8 @@ impl Snapshot {
             routes,
             client_keys,
             models_json,
+            version: previous.map_or(1, |p| p.version + 1),
+            loaded_at_ms: spillgate_core::outcome::unix_ms(std::time::SystemTime::now()),
         })
     }
 }

@@ -26,6 +26,20 @@ pub fn spawn(app: &Arc<App>) {
     }
 }
 
+/// After a reload: starts checks for backends that have one now and had none before.
+pub fn spawn_missing(app: &Arc<App>, old: &crate::app::Snapshot) {
+    let snap = app.snapshot.load();
+    for b in &snap.backends {
+        let had = old
+            .backends
+            .iter()
+            .any(|o| o.cfg.name == b.cfg.name && o.cfg.health_check.is_some());
+        if b.cfg.health_check.is_some() && !had {
+            tokio::spawn(run(Arc::downgrade(app), Arc::clone(&b.cfg.name)));
+        }
+    }
+}
+
 fn request(b: &BackendRt) -> Option<http::Request<Full<Bytes>>> {
     let hc = b.cfg.health_check.as_ref()?;
     let uri = http::Uri::builder()

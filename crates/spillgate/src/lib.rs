@@ -4,6 +4,7 @@
 //! The binary (`main.rs`) is a thin CLI over this library; integration tests start the
 //! same gateway in-process through [`server::start`].
 
+pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod check;
@@ -12,6 +13,7 @@ pub mod errors;
 pub mod health;
 pub mod priority;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod sim;
 pub mod state;

@@ -89,6 +89,7 @@ fn main() -> ExitCode {
             Err(code) => code,
         },
         Command::Run => {
+            let config_path = cli.config.clone();
             let config = match read_config(&cli.config) {
                 Ok(c) => c,
                 Err(code) => return code,
@@ -101,13 +102,23 @@ fn main() -> ExitCode {
                     tracing::warn!("CLIENT AUTHENTICATION IS OFF ([auth] mode = \"none\"): anyone who can reach this port can use every backend. Use this for local development only.");
                 }
                 let app = spillgate::app::App::new(config)?;
-                let running = spillgate::server::start(app).await?;
-                // Tests and scripts read this line to find the port when listening on :0.
+                let admin = spillgate::admin::start(std::sync::Arc::clone(&app)).await?;
+                let running = spillgate::server::start(std::sync::Arc::clone(&app)).await?;
+                if let Some(path) = &config_path {
+                    spillgate::reload::spawn(&app, path.clone(), std::time::Duration::from_secs(1));
+                }
+                // Tests and scripts read these lines to find the ports when listening on :0.
                 println!("spillgate listening on http://{}", running.addr);
-                tracing::info!(addr = %running.addr, "listening");
+                if let Some(a) = &admin {
+                    println!("spillgate admin on http://{}", a.addr);
+                }
+                tracing::info!(addr = %running.addr, admin = ?admin.as_ref().map(|a| a.addr), "listening");
                 shutdown_signal().await;
                 tracing::info!("shutting down");
                 running.shutdown().await;
+                if let Some(a) = admin {
+                    a.stop();
+                }
                 Ok(())
             })
         }

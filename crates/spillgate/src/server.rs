@@ -20,30 +20,47 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use crate::app::App;
-use crate::state::Availability;
 
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(crate::proxy::handle)
+        .layer(axum::middleware::from_fn(request_id))
         .with_state(app)
+}
+
+/// A request id the client sent, if it is safe to echo and log.
+fn sane_request_id(v: &http::HeaderValue) -> Option<&str> {
+    let s = v.to_str().ok()?;
+    (!s.is_empty()
+        && s.len() <= 128
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':')))
+    .then_some(s)
+}
+
+/// Gives every request an id (the client's `x-request-id` when present and sane, else a
+/// new one), carried by every log line of the request and returned in `x-request-id`.
+async fn request_id(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use tracing::Instrument;
+    let id = match req.headers().get("x-request-id").and_then(sane_request_id) {
+        Some(s) => s.to_string(),
+        None => format!("{:016x}", fastrand::u64(..)),
+    };
+    let span = tracing::info_span!("req", request_id = %id);
+    let mut resp = next.run(req).instrument(span).await;
+    if let Ok(v) = http::HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
 }
 
 async fn healthz() -> impl IntoResponse {
     Json(serde_json::json!({"status": "ok"}))
-}
-
-fn state_json(state: &crate::state::BackendState, now: u64) -> serde_json::Value {
-    match state.availability(now) {
-        Availability::Ready if state.is_recovering() => serde_json::json!({"state": "probing"}),
-        Availability::Ready => serde_json::json!({"state": "ready"}),
-        Availability::Cooling { until_ms, reason } => serde_json::json!({
-            "state": "cooling",
-            "reason": reason.map(|r| r.as_str()),
-            "cooling_ms": until_ms.saturating_sub(now),
-        }),
-    }
 }
 
 /// Readiness for a load balancer: the gateway answers requests (even when every backend
@@ -57,7 +74,7 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
         .backends
         .iter()
         .map(|b| {
-            let mut v = state_json(&b.state, now);
+            let mut v = crate::admin::state_json(&b.state, now);
             v["name"] = serde_json::json!(&*b.cfg.name);
             v["priority"] = serde_json::json!(b.cfg.priority);
             v["deployments"] = b
@@ -65,7 +82,7 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
                 .all()
                 .iter()
                 .map(|(name, st)| {
-                    let mut d = state_json(st, now);
+                    let mut d = crate::admin::state_json(st, now);
                     d["name"] = serde_json::json!(name);
                     d
                 })

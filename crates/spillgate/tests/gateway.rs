@@ -88,35 +88,7 @@ impl Env {
         server: &str,
         extra: &str,
     ) -> Env {
-        let mut text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 4096\n{server}\n[auth]\nclient_keys = [\"env:CLIENT\"]\n{extra}\n"
-        );
-        for (i, spec) in backends.iter().enumerate() {
-            let url = if spec.kind == "openai" {
-                format!("{}/v1", mocks[i].url())
-            } else {
-                mocks[i].url()
-            };
-            text.push_str(&format!(
-                "[[backends]]\nname = \"{}\"\nkind = \"{}\"\nurl = \"{url}\"\npriority = {}\nweight = {}\napi_key = \"env:KEY{i}\"\n",
-                spec.name, spec.kind, spec.priority, spec.weight
-            ));
-            if let Some(d) = spec.deployments {
-                text.push_str(&format!("deployments = {d}\n"));
-            }
-        }
-        let config = spillgate_core::config::load(
-            &text,
-            &|v| match v {
-                "CLIENT" => Some(CLIENT_KEY.to_string()),
-                k => k
-                    .strip_prefix("KEY")
-                    .and_then(|n| n.parse::<usize>().ok())
-                    .map(|n| BACKEND_KEYS[n].to_string()),
-            },
-            &|_| Err("no files".into()),
-        )
-        .unwrap_or_else(|e| panic!("config: {e}\n{text}"));
+        let config = config_for(&backends, &mocks, server, extra);
         let gw = start(App::new(config).unwrap()).await.unwrap();
         let client = Client::builder(TokioExecutor::new()).build_http();
         Env { mocks, gw, client }
@@ -164,6 +136,44 @@ impl Env {
     fn hits(&self) -> Vec<u64> {
         self.mocks.iter().map(MockBackend::hits).collect()
     }
+}
+
+/// The gateway config for `backends` served by `mocks` (backend i by mock i).
+fn config_for(
+    backends: &[B],
+    mocks: &[MockBackend],
+    server: &str,
+    extra: &str,
+) -> spillgate_core::config::Config {
+    let mut text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 4096\n{server}\n[auth]\nclient_keys = [\"env:CLIENT\"]\n{extra}\n"
+    );
+    for (i, spec) in backends.iter().enumerate() {
+        let url = if spec.kind == "openai" {
+            format!("{}/v1", mocks[i].url())
+        } else {
+            mocks[i].url()
+        };
+        text.push_str(&format!(
+            "[[backends]]\nname = \"{}\"\nkind = \"{}\"\nurl = \"{url}\"\npriority = {}\nweight = {}\napi_key = \"env:KEY{i}\"\n",
+            spec.name, spec.kind, spec.priority, spec.weight
+        ));
+        if let Some(d) = spec.deployments {
+            text.push_str(&format!("deployments = {d}\n"));
+        }
+    }
+    spillgate_core::config::load(
+        &text,
+        &|v| match v {
+            "CLIENT" => Some(CLIENT_KEY.to_string()),
+            k => k
+                .strip_prefix("KEY")
+                .and_then(|n| n.parse::<usize>().ok())
+                .map(|n| BACKEND_KEYS[n].to_string()),
+        },
+        &|_| Err("no files".into()),
+    )
+    .unwrap_or_else(|e| panic!("config: {e}\n{text}"))
 }
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> &'a str {
@@ -1049,4 +1059,265 @@ async fn stream_usage_is_requested_and_removed_when_the_client_did_not_ask() {
         asked,
         "body forwarded as sent"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Operating it: reload, admin state, request ids
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn reload_under_load_keeps_state_and_loses_nothing() {
+    let env = Env::start(vec![b("p1", 1), b("p2", 1)], "").await;
+    // p1 is cooling before the reload; the cooldown must survive it.
+    env.mocks[0].push_script(vec![Reply::throttled(60)]);
+    while env.mocks[0].hits() == 0 {
+        assert_eq!(env.chat().await.0, 200);
+    }
+    let app = Arc::clone(&env.gw.app);
+    let now = app.clock.now_ms();
+    assert!(app.snapshot.load().backends[0]
+        .cooldown_for("gpt-4o", now)
+        .is_some());
+
+    // Load runs, sequentially and without pause, from before the reload to well after it.
+    let addr = env.gw.addr;
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (done, stop) = (Arc::clone(&done), Arc::clone(&stop));
+        tokio::spawn(async move {
+            let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+            let mut statuses = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+                    .header("api-key", CLIENT_KEY)
+                    .body(Full::new(Bytes::from_static(CHAT.as_bytes())))
+                    .unwrap();
+                let resp = client.request(req).await.unwrap();
+                statuses.push(resp.status().as_u16());
+                let _ = resp.into_body().collect().await;
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            statuses
+        })
+    };
+    let wait_for = |n: u64| {
+        let done = Arc::clone(&done);
+        async move {
+            while done.load(std::sync::atomic::Ordering::Relaxed) < n {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    };
+    wait_for(20).await;
+    // New weights and a new backend p3.
+    let p3 = MockBackend::start(MockConfig {
+        name: "p3".into(),
+        expect_api_key: Some(BACKEND_KEYS[2].into()),
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut b2 = b("p2", 1);
+    b2.weight = 3;
+    let new_backends = vec![b("p1", 1), b2, b("p3", 1)];
+    let new_mocks = [&env.mocks[0], &env.mocks[1], &p3];
+    let config = config_for_refs(&new_backends, &new_mocks);
+    let before = done.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(spillgate::reload::apply_config(&app, config).unwrap(), 2);
+    // p1 cools, p2 has 3/4 of the rest and p3 1/4: 80 requests leave p3 empty-handed
+    // with probability 0.75^80.
+    wait_for(before + 80).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let statuses = load.await.unwrap();
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "no request failed across the reload: {statuses:?}"
+    );
+    assert!(p3.hits() > 0, "the new backend takes traffic");
+    let snap = app.snapshot.load();
+    assert_eq!(snap.version, 2);
+    assert_eq!(snap.backends[1].cfg.weight, 3);
+    assert!(
+        snap.backends[0]
+            .cooldown_for("gpt-4o", app.clock.now_ms())
+            .is_some(),
+        "p1's cooldown survived the reload"
+    );
+    // An invalid config is refused and the running one stays.
+    let bad = spillgate_core::config::load("[[backends]]\nname = \"x\"\n", &|_| None, &|_| {
+        Err(String::new())
+    });
+    assert!(bad.is_err());
+    let dir = std::env::temp_dir().join(format!("spillgate-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.toml");
+    std::fs::write(
+        &path,
+        "[auth]\nmode = \"none\"\n[[backends]]\nname = \"x\"\nkind = \"openai\"\nurl = \"http://127.0.0.1:1/v1\"\npriority = 0\n",
+    )
+    .unwrap();
+    let err = spillgate::reload::apply_file(&app, &path)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("backends[0].priority: must be >= 1, got 0"),
+        "{err}"
+    );
+    assert_eq!(app.snapshot.load().version, 2);
+    assert_eq!(env.chat().await.0, 200);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn config_for_refs(backends: &[B], mocks: &[&MockBackend]) -> spillgate_core::config::Config {
+    let urls: Vec<String> = mocks.iter().map(|m| m.url()).collect();
+    let mut text = String::from("[server]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 4096\n[auth]\nclient_keys = [\"env:CLIENT\"]\n");
+    for (i, spec) in backends.iter().enumerate() {
+        text.push_str(&format!(
+            "[[backends]]\nname = \"{}\"\nkind = \"azure\"\nurl = \"{}\"\npriority = {}\nweight = {}\napi_key = \"env:KEY{i}\"\n",
+            spec.name, urls[i], spec.priority, spec.weight
+        ));
+    }
+    spillgate_core::config::load(
+        &text,
+        &|v| match v {
+            "CLIENT" => Some(CLIENT_KEY.to_string()),
+            k => k
+                .strip_prefix("KEY")
+                .and_then(|n| n.parse::<usize>().ok())
+                .map(|n| BACKEND_KEYS[n].to_string()),
+        },
+        &|_| Err(String::new()),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn the_config_file_is_watched_and_a_bad_edit_is_reported_once() {
+    let logs = LogBuf::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let mock = MockBackend::start(MockConfig::named("p1")).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("spillgate-watch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("client"), CLIENT_KEY).unwrap();
+    std::fs::write(dir.join("backend"), "k").unwrap();
+    let text = |weight: &str| {
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[auth]\nclient_keys = [\"file:{}\"]\n[[backends]]\nname = \"p1\"\nkind = \"azure\"\nurl = \"{}\"\napi_key = \"file:{}\"\nweight = {weight}\n",
+            dir.join("client").display(),
+            mock.url(),
+            dir.join("backend").display()
+        )
+    };
+    let path = dir.join("spillgate.toml");
+    std::fs::write(&path, text("1")).unwrap();
+    let app = App::new(spillgate::load_config(&std::fs::read_to_string(&path).unwrap()).unwrap())
+        .unwrap();
+    spillgate::reload::spawn(&app, path.clone(), Duration::from_millis(20));
+    std::fs::write(&path, text("5")).unwrap();
+    let mut version = 1;
+    for _ in 0..200 {
+        version = app.snapshot.load().version;
+        if version == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(version, 2, "the edit took effect");
+    assert_eq!(app.snapshot.load().backends[0].cfg.weight, 5);
+    // A bad edit: refused, logged once however many times the file is checked.
+    std::fs::write(&path, text("0")).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(app.snapshot.load().version, 2);
+    let log = String::from_utf8_lossy(&logs.0.lock().unwrap()).to_string();
+    assert_eq!(log.matches("config change refused").count(), 1, "{log}");
+    assert!(
+        log.contains("backends[0].weight: must be >= 1, got 0"),
+        "{log}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn admin_state_shows_backends_versions_and_needs_its_token() {
+    let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    env.mocks[0].push_script(vec![Reply::throttled(30)]);
+    assert_eq!(env.chat().await.0, 200);
+    let app = Arc::clone(&env.gw.app);
+    let get = |token: Option<&str>| {
+        let mut req = http::Request::get("/admin/state");
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let router = spillgate::admin::router(Arc::clone(&app));
+        async move {
+            let resp =
+                tower::ServiceExt::oneshot(router, req.body(axum::body::Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+            let status = resp.status();
+            (status, resp.into_body().collect().await.unwrap().to_bytes())
+        }
+    };
+    let (status, body) = get(None).await;
+    assert_eq!(status, 200);
+    let v = json(&body);
+    assert_eq!(v["config"]["version"], 1);
+    assert_eq!(v["backends"][0]["name"], "p1");
+    assert_eq!(v["backends"][0]["priority"], 1);
+    assert_eq!(v["backends"][0]["deployments"][0]["state"], "cooling");
+    assert_eq!(v["backends"][0]["deployments"][0]["reason"], "429");
+    assert_eq!(v["backends"][0]["deployments"][0]["last_status"], 429);
+    assert_eq!(v["backends"][1]["deployments"][0]["last_status"], 200);
+    assert_eq!(v["routes"][0]["tiers"][1]["backends"][0]["name"], "p2");
+    assert!(!v.to_string().contains(BACKEND_KEYS[0]));
+    // With a token configured, it is required.
+    let with_token = {
+        let mut c = app.snapshot.load_full().config.clone();
+        c.admin.token = Some(spillgate_core::config::Secret::new("admin-secret".into()));
+        c
+    };
+    spillgate::reload::apply_config(&app, with_token).unwrap();
+    assert_eq!(get(None).await.0, 401);
+    assert_eq!(get(Some("wrong")).await.0, 401);
+    let (status, body) = get(Some("admin-secret")).await;
+    assert_eq!(status, 200);
+    assert_eq!(json(&body)["config"]["version"], 2);
+}
+
+#[tokio::test]
+async fn every_response_carries_a_request_id_that_the_log_lines_share() {
+    let logs = LogBuf::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    let (_, h, _) = env.chat().await;
+    let generated = header(&h, "x-request-id").to_string();
+    assert_eq!(generated.len(), 16);
+    let req = env
+        .request("POST", "/v1/chat/completions", CHAT)
+        .header("x-request-id", "client-abc.123");
+    let (_, h, _) = env.send(req, CHAT).await;
+    assert_eq!(
+        header(&h, "x-request-id"),
+        "client-abc.123",
+        "a sane client id is kept"
+    );
+    let req = env
+        .request("POST", "/v1/chat/completions", CHAT)
+        .header("x-request-id", "bad id\twith spaces");
+    let (_, h, _) = env.send(req, CHAT).await;
+    assert_ne!(header(&h, "x-request-id"), "bad id\twith spaces");
+    let log = String::from_utf8_lossy(&logs.0.lock().unwrap()).to_string();
+    assert!(log.contains(&format!("request_id={generated}")), "{log}");
+    assert!(log.contains("request_id=client-abc.123"), "{log}");
 }

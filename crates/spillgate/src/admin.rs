@@ -1,0 +1,187 @@
+//! The admin listener: a separate port (never the public one) for operators, serving
+//! `/admin/state` (every backend, its deployments and the live config version),
+//! `/metrics` (Prometheus text) and `/` (a live dashboard). An optional token (from `env:`)
+//! guards it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use http::{header, HeaderValue, StatusCode};
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+
+use crate::app::App;
+use crate::state::{Availability, BackendState};
+
+/// One state as JSON: `ready`, `probing` (recovering, one request at a time), `cooling` or
+/// `tripped` (with reason and time left).
+pub fn state_json(state: &BackendState, now: u64) -> serde_json::Value {
+    match state.availability(now) {
+        Availability::Ready if state.is_recovering() => serde_json::json!({"state": "probing"}),
+        Availability::Ready => serde_json::json!({"state": "ready"}),
+        Availability::Cooling { until_ms, reason } => {
+            let tripped = reason == Some(spillgate_core::outcome::CoolReason::Tripped);
+            serde_json::json!({
+                "state": if tripped { "tripped" } else { "cooling" },
+                "reason": reason.map(|r| r.as_str()),
+                "until_ms": until_ms,
+                "cooling_ms": until_ms.saturating_sub(now),
+            })
+        }
+    }
+}
+
+fn capacity_json(state: &BackendState, now: u64) -> serde_json::Value {
+    let c = state.capacity();
+    let (tokens, requests) = c.available(now);
+    serde_json::json!({
+        "remaining_tokens": tokens,
+        "limit_tokens": c.tokens.map(|t| t.limit),
+        "remaining_requests": requests,
+        "limit_requests": c.requests.map(|r| r.limit),
+        "inflight_tokens": c.inflight_tokens,
+        "inflight_requests": c.inflight_requests,
+        "observed_ms_ago": c.observed_ms.map(|o| now.saturating_sub(o)),
+    })
+}
+
+/// The whole picture, as `/admin/state` serves it.
+pub fn state(app: &App) -> serde_json::Value {
+    let snap = app.snapshot.load();
+    let now = app.clock.now_ms();
+    let backends: Vec<_> = snap
+        .backends
+        .iter()
+        .map(|b| {
+            let mut v = state_json(&b.state, now);
+            v["name"] = serde_json::json!(&*b.cfg.name);
+            v["kind"] = serde_json::json!(b.cfg.kind.as_str());
+            v["priority"] = serde_json::json!(b.cfg.priority);
+            v["weight"] = serde_json::json!(b.cfg.weight);
+            v["last_status"] = serde_json::json!(b.state.last_status());
+            v["deployments"] = b
+                .deployments
+                .all()
+                .iter()
+                .map(|(name, st)| {
+                    let mut d = state_json(st, now);
+                    d["name"] = serde_json::json!(name);
+                    d["last_status"] = serde_json::json!(st.last_status());
+                    d["capacity"] = capacity_json(st, now);
+                    d
+                })
+                .collect();
+            v
+        })
+        .collect();
+    let routes: Vec<_> = snap
+        .config
+        .table
+        .routes
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "name": r.name,
+                "models": r.patterns.iter().map(|p| p.as_str()).collect::<Vec<_>>(),
+                "fallback": r.fallback,
+                "tiers": r.pool.tiers.iter().map(|t| serde_json::json!({
+                    "priority": t.priority,
+                    "backends": t.members.iter().map(|(id, w)| serde_json::json!({
+                        "name": &*snap.backends[*id].cfg.name, "weight": w,
+                    })).collect::<Vec<_>>(),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "config": {
+            "version": snap.version,
+            "loaded_at_ms": snap.loaded_at_ms,
+            "loaded_at": httpdate::fmt_http_date(std::time::UNIX_EPOCH + std::time::Duration::from_millis(snap.loaded_at_ms)),
+        },
+        "now_ms": now,
+        "draining": app.draining(),
+        "backends": backends,
+        "routes": routes,
+    })
+}
+
+async fn admin_state(State(app): State<Arc<App>>) -> Response {
+    Json(state(&app)).into_response()
+}
+
+/// Requires `Authorization: Bearer <token>` when an admin token is configured.
+async fn require_token(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let expected = app.snapshot.load().config.admin.token.clone();
+    if let Some(token) = expected {
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .unwrap_or_default();
+        let ok: bool = sha(presented).ct_eq(&sha(token.expose().as_bytes())).into();
+        if !ok {
+            let mut r = (
+                StatusCode::UNAUTHORIZED,
+                "admin token required (Authorization: Bearer <token>)\n",
+            )
+                .into_response();
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return r;
+        }
+    }
+    next.run(req).await
+}
+
+fn sha(b: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).into()
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/admin/state", get(admin_state))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&app),
+            require_token,
+        ))
+        .with_state(app)
+}
+
+/// A running admin listener.
+pub struct RunningAdmin {
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningAdmin {
+    pub fn stop(self) {
+        self.task.abort();
+    }
+}
+
+/// Starts the admin listener, if enabled.
+pub async fn start(app: Arc<App>) -> anyhow::Result<Option<RunningAdmin>> {
+    let Some(listen) = app.snapshot.load().config.admin.listen else {
+        return Ok(None);
+    };
+    let listener = TcpListener::bind(listen).await.map_err(|e| {
+        anyhow::anyhow!(
+            "admin.listen {listen}: {e} (set [admin] listen to a free port, or enabled = false)"
+        )
+    })?;
+    let addr = listener.local_addr()?;
+    let service = router(app);
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, service).await {
+            tracing::error!(error = %e, "admin listener stopped");
+        }
+    });
+    Ok(Some(RunningAdmin { addr, task }))
+}

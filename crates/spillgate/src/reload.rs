@@ -1,0 +1,145 @@
+//! Hot reload: a changed config file (or SIGHUP) takes effect for new requests at once.
+//!
+//! The APIM policy's operators waited up to 60 s for a cached backend list to expire;
+//! here the file is checked every second (and at once on SIGHUP). A valid file becomes the
+//! new routing snapshot (`ArcSwap`: requests in flight finish on the old one); backends and
+//! routes whose names did not change keep their live state (cooldowns, breaker windows,
+//! capacity, retry budgets). An invalid file is refused with the same field-path errors as
+//! at start, logged once, and the running config stays.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use spillgate_core::config::Config;
+
+use crate::app::{App, Snapshot};
+
+/// Why a reload did not take effect.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("cannot read {path}: {error}")]
+    Read { path: String, error: String },
+    #[error("{0}")]
+    Invalid(spillgate_core::config::ConfigErrors),
+    #[error("{0}")]
+    Build(String),
+}
+
+/// Settings read only at start: a reload that changes them warns that a restart is needed.
+fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
+    let mut v = Vec::new();
+    let (o, n) = (&old.server, &new.server);
+    if o.listen != n.listen {
+        v.push("server.listen");
+    }
+    if o.max_connections != n.max_connections {
+        v.push("server.max_connections");
+    }
+    if o.max_header_bytes != n.max_header_bytes || o.max_headers != n.max_headers {
+        v.push("server.max_header_bytes / max_headers");
+    }
+    if old.timeouts.connect != new.timeouts.connect {
+        v.push("timeouts.connect");
+    }
+    if old.timeouts.client_header != new.timeouts.client_header {
+        v.push("timeouts.client_header");
+    }
+    if old.log.format != new.log.format || old.log.level != new.log.level {
+        v.push("log");
+    }
+    if old.admin != new.admin {
+        v.push("admin");
+    }
+    v
+}
+
+/// Makes `config` the running one; returns the new version.
+pub fn apply_config(app: &Arc<App>, config: Config) -> Result<u64, ReloadError> {
+    let old = app.snapshot.load_full();
+    let needs_restart = restart_only_changes(&old.config, &config);
+    let snap =
+        Snapshot::build(config, Some(&old)).map_err(|e| ReloadError::Build(format!("{e:#}")))?;
+    let version = snap.version;
+    let names: Vec<String> = snap
+        .backends
+        .iter()
+        .map(|b| b.cfg.name.to_string())
+        .collect();
+    app.snapshot.store(Arc::new(snap));
+    crate::health::spawn_missing(app, &old);
+    tracing::info!(version, backends = ?names, "config reloaded");
+    if !needs_restart.is_empty() {
+        tracing::warn!(settings = ?needs_restart, "these settings changed but take effect only after a restart");
+    }
+    Ok(version)
+}
+
+/// Reads, validates and applies a config file.
+pub fn apply_file(app: &Arc<App>, path: &Path) -> Result<u64, ReloadError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ReloadError::Read {
+        path: path.display().to_string(),
+        error: e.to_string(),
+    })?;
+    let config = crate::load_config(&text).map_err(ReloadError::Invalid)?;
+    apply_config(app, config)
+}
+
+fn fingerprint(path: &Path) -> Option<[u8; 32]> {
+    std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
+}
+
+/// Watches `path` (checked every `interval`, and at once on SIGHUP) for the gateway's
+/// lifetime.
+pub fn spawn(app: &Arc<App>, path: PathBuf, interval: Duration) {
+    let weak = Arc::downgrade(app);
+    // The baseline is taken now, not when the task first runs: an edit made in between
+    // must count as a change.
+    let seen = fingerprint(&path);
+    tokio::spawn(watch(weak, path, interval, seen));
+}
+
+async fn watch(app: Weak<App>, path: PathBuf, interval: Duration, mut seen: Option<[u8; 32]>) {
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    // The last refused content: an invalid file is reported once, not every second.
+    let mut refused: Option<[u8; 32]> = None;
+    loop {
+        #[cfg(unix)]
+        let forced = match hup.as_mut() {
+            Some(h) => tokio::select! {
+                _ = tokio::time::sleep(interval) => false,
+                _ = h.recv() => true,
+            },
+            None => {
+                tokio::time::sleep(interval).await;
+                false
+            }
+        };
+        #[cfg(not(unix))]
+        let forced = {
+            tokio::time::sleep(interval).await;
+            false
+        };
+        let Some(app) = app.upgrade() else { return };
+        let now = fingerprint(&path);
+        if now == seen && !forced {
+            continue;
+        }
+        seen = now;
+        if forced {
+            tracing::info!(path = %path.display(), "SIGHUP: reloading the config");
+        }
+        match apply_file(&app, &path) {
+            Ok(_) => refused = None,
+            Err(e) => {
+                if refused != now || forced {
+                    let text = e.to_string().replace('\n', "; ");
+                    tracing::error!(path = %path.display(), errors = %text, "config change refused; the running config stays");
+                }
+                refused = now;
+            }
+        }
+    }
+}
