@@ -94,8 +94,8 @@ if [[ ! -x $PY ]]; then
         python3 -m venv "$VENV"
     fi
 fi
-if ! "$PY" -c 'import openai, pytest' >/dev/null 2>&1; then
-    "$PY" -m pip install -q --disable-pip-version-check openai pytest </dev/null
+if ! "$PY" -c 'import openai, pytest, prometheus_client' >/dev/null 2>&1; then
+    "$PY" -m pip install -q --disable-pip-version-check openai pytest prometheus_client </dev/null
 fi
 "$PY" -c 'import openai, pytest; print(f"openai {openai.__version__}, pytest {pytest.__version__}")'
 

@@ -319,6 +319,7 @@ class Stack:
     config_path: Path
     env: dict[str, str]
     spillgate_bin: Path
+    admin_url: str = ""
     _clients: list[Any] = field(default_factory=list)
 
     @property
@@ -420,6 +421,8 @@ def stack(tmp_path: Path, spillgate_bin: Path, mock_bin: Path) -> Iterable[Stack
             config_path=config_path,
             env=env,
             spillgate_bin=spillgate_bin,
+            # Printed right after the listening line.
+            admin_url=gateway._wait_for_banner("spillgate admin on "),
         )
         yield stack_obj
     finally:

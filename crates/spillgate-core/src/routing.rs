@@ -262,6 +262,19 @@ impl RoutingTable {
             .then_some(id)
     }
 
+    /// `model` when the config names it, else `other`: a bounded metric label.
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if self
+            .listed
+            .binary_search_by(|m| m.as_str().cmp(model))
+            .is_ok()
+        {
+            model
+        } else {
+            "other"
+        }
+    }
+
     /// Model names clients can list (`GET /v1/models`): names in backends' `deployments`
     /// and exact names in routes.
     pub fn model_names(&self) -> impl Iterator<Item = &str> {

@@ -144,9 +144,20 @@ fn sha(b: &[u8]) -> [u8; 32] {
     sha2::Sha256::digest(b).into()
 }
 
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let text = app.metrics.render(&app);
+    let mut resp = text.into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    resp
+}
+
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/admin/state", get(admin_state))
+        .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(
             Arc::clone(&app),
             require_token,

@@ -286,6 +286,8 @@ pub struct App {
     pub clock: Clock,
     /// Set when shutdown starts: readiness turns false so load balancers stop sending.
     draining: std::sync::atomic::AtomicBool,
+    /// Prometheus metrics; they outlive config reloads.
+    pub metrics: crate::metrics::Metrics,
 }
 
 impl App {
@@ -303,6 +305,7 @@ impl App {
             upstream,
             clock: Clock::new(),
             draining: std::sync::atomic::AtomicBool::new(false),
+            metrics: crate::metrics::Metrics::new(),
         }))
     }
 

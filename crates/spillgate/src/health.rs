@@ -103,6 +103,13 @@ async fn run(app: Weak<App>, name: Arc<str>) {
                 until_ms,
                 reason: CoolReason::Health,
             });
+            a.metrics
+                .cooldowns
+                .get_or_create(&vec![
+                    ("backend", name.to_string()),
+                    ("reason", "health".to_string()),
+                ])
+                .inc();
             if healthy {
                 tracing::warn!(backend = %name, result = %detail, "health check failed; backend cooling until it passes");
             }

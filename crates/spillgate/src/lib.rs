@@ -11,6 +11,7 @@ pub mod check;
 pub mod demo;
 pub mod errors;
 pub mod health;
+pub mod metrics;
 pub mod priority;
 pub mod proxy;
 pub mod reload;

@@ -203,6 +203,8 @@ pub type OnUsage = Box<dyn FnOnce(Option<u64>) + Send>;
 pub struct UsageTap<B> {
     inner: B,
     sse: bool,
+    /// Keep a copy of a JSON body to read its `usage` at the end.
+    json_body: bool,
     strip_usage_chunk: bool,
     pending: BytesMut,
     json: Vec<u8>,
@@ -211,10 +213,17 @@ pub struct UsageTap<B> {
 }
 
 impl<B> UsageTap<B> {
-    pub fn new(inner: B, sse: bool, strip_usage_chunk: bool, on_usage: OnUsage) -> Self {
+    pub fn new(
+        inner: B,
+        sse: bool,
+        json_body: bool,
+        strip_usage_chunk: bool,
+        on_usage: OnUsage,
+    ) -> Self {
         UsageTap {
             inner,
             sse,
+            json_body,
             strip_usage_chunk,
             pending: BytesMut::new(),
             json: Vec::new(),
@@ -320,7 +329,7 @@ where
                         Err(frame) => return Poll::Ready(Some(Ok(frame))),
                     };
                     if !this.sse {
-                        if this.json.len() + data.len() <= JSON_TAP_LIMIT {
+                        if this.json_body && this.json.len() + data.len() <= JSON_TAP_LIMIT {
                             this.json.extend_from_slice(&data);
                         }
                         return Poll::Ready(Some(Ok(Frame::data(data))));
@@ -351,9 +360,11 @@ where
 
 impl<B> Drop for UsageTap<B> {
     fn drop(&mut self) {
-        // A client that went away mid-response: still release the reservation.
-        if let Some(f) = self.on_usage.take() {
-            f(self.usage);
+        // hyper stops polling a body once it has the bytes its content-length declared,
+        // and a client may go away mid-response: either way the end is seen here, and the
+        // usage (read from what did arrive) and the reservation are still settled.
+        if self.on_usage.is_some() {
+            self.finish();
         }
     }
 }
@@ -426,6 +437,7 @@ mod tests {
         let tap = UsageTap::new(
             StreamBody::new(stream),
             sse,
+            !sse,
             strip,
             Box::new(move |u| *seen2.lock().unwrap() = Some(u)),
         );
@@ -469,6 +481,29 @@ mod tests {
         let (out, usage) = run_tap(vec![CHUNK, USAGE, DONE], true, false).await;
         assert_eq!(out, format!("{CHUNK}{USAGE}{DONE}"));
         assert_eq!(usage, Some(12));
+    }
+
+    #[tokio::test]
+    async fn usage_is_reported_when_the_body_is_dropped_after_its_last_bytes() {
+        // hyper stops at the declared content-length and drops the body without
+        // polling for its end.
+        let body = r#"{"usage":{"total_tokens":42}}"#;
+        let stream = futures_util::stream::iter(vec![Ok::<_, std::convert::Infallible>(
+            Frame::data(Bytes::from_static(body.as_bytes())),
+        )]);
+        let seen = Arc::new(Mutex::new(None));
+        let seen2 = Arc::clone(&seen);
+        let mut tap = UsageTap::new(
+            StreamBody::new(stream),
+            false,
+            true,
+            false,
+            Box::new(move |u| *seen2.lock().unwrap() = Some(u)),
+        );
+        let frame = tap.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), body.as_bytes());
+        drop(tap);
+        assert_eq!(*seen.lock().unwrap(), Some(Some(42)));
     }
 
     #[tokio::test]

@@ -290,7 +290,18 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
     };
     let outcome = attempt_loop(&ctx).await;
     guard.answered = true;
-    finish(outcome, &ctx, &client)
+    if ctx.low {
+        let decision = if matches!(outcome, Ended::PriorityRefused { .. }) {
+            "refused"
+        } else {
+            "admitted"
+        };
+        app.metrics
+            .low_priority
+            .get_or_create(&vec![("decision", decision.to_string())])
+            .inc();
+    }
+    finish(outcome, &ctx, &client, &app)
 }
 
 /// Logs a request whose client went away before it was answered. hyper drops the handler
@@ -840,7 +851,27 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 )
             }
         };
-        record_breaker(backend, attempt, hint, now, &snap.config.cooldown, &mut rng);
+        let outcome_label = match attempt {
+            AttemptResult::ConnectError => "connect".to_string(),
+            AttemptResult::Status(429) => "429".to_string(),
+            AttemptResult::Status(s) => crate::metrics::status_class(s),
+        };
+        app.metrics
+            .attempts
+            .get_or_create(&vec![
+                ("backend", backend.cfg.name.to_string()),
+                ("outcome", outcome_label.clone()),
+            ])
+            .inc();
+        if record_breaker(backend, attempt, hint, now, &snap.config.cooldown, &mut rng) {
+            app.metrics
+                .cooldowns
+                .get_or_create(&vec![
+                    ("backend", backend.cfg.name.to_string()),
+                    ("reason", "tripped".to_string()),
+                ])
+                .inc();
+        }
         if !outcome.fails_over() {
             // It answered (a success or the client's own error): fully back.
             backend.state.recovered();
@@ -879,6 +910,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         response.as_ref().map(|r| r.status().as_u16()),
                         &mut rng,
                     );
+                    app.metrics
+                        .cooldowns
+                        .get_or_create(&vec![
+                            ("backend", backend.cfg.name.to_string()),
+                            ("reason", reason.as_str().to_string()),
+                        ])
+                        .inc();
                 }
             }
         }
@@ -904,6 +942,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 if reserved {
                     deployment.release(ctx.est_tokens, None, now);
                 }
+                app.metrics
+                    .failovers
+                    .get_or_create(&vec![
+                        ("backend", backend.cfg.name.to_string()),
+                        ("reason", outcome_label.clone()),
+                    ])
+                    .inc();
                 failures.push(outcome);
                 match response {
                     Some(r) if !outcome.fails_over() => {
@@ -961,9 +1006,9 @@ fn record_breaker(
     now: u64,
     cooldown: &spillgate_core::config::CooldownPolicy,
     rng: &mut fastrand::Rng,
-) {
+) -> bool {
     let (Some(cfg), Some(window)) = (&backend.cfg.breaker, &backend.state.breaker) else {
-        return;
+        return false;
     };
     let failed = cfg.condition.matches(attempt);
     let trip = match window.lock() {
@@ -992,7 +1037,9 @@ fn record_breaker(
             trip_ms = millis(d),
             "circuit breaker tripped"
         );
+        return true;
     }
+    false
 }
 
 fn millis(d: Duration) -> u64 {
@@ -1111,7 +1158,27 @@ fn build_upstream_request(
     Ok(builder.body(Full::new(body))?)
 }
 
-fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client) -> Response {
+/// Counts an answered request: by backend, status class, priority and (bounded) model;
+/// and for low priority, whether it was admitted.
+fn record_request(ctx: &Ctx<'_>, backend: &str, status: u16) {
+    let m = &ctx.app.metrics;
+    let model = ctx
+        .snap
+        .config
+        .table
+        .model_label(&ctx.req.model)
+        .to_string();
+    m.requests
+        .get_or_create(&vec![
+            ("backend", backend.to_string()),
+            ("status_class", crate::metrics::status_class(status)),
+            ("priority", if ctx.low { "low" } else { "high" }.to_string()),
+            ("model", model),
+        ])
+        .inc();
+}
+
+fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Response {
     let elapsed_ms = ctx.started.elapsed().as_secs_f64() * 1000.0;
     let snap = ctx.snap;
     let req = ctx.req;
@@ -1157,21 +1224,45 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client) -> Response {
                 "request"
             );
             let idle = snap.config.timeouts.idle;
-            // With request priority on, the response's usage releases the reservation
-            // (and corrects the tracked capacity) when the body ends.
-            let body = if snap.config.priority.is_some() {
-                let dep = b.deployment_state(served_model);
-                let est = ctx.est_tokens;
-                let clock = ctx.app.clock;
-                let on_usage: crate::priority::OnUsage = Box::new(move |used| {
-                    if let (true, Some(d)) = (reserved, dep) {
-                        d.release(est, used, clock.now_ms());
-                    }
-                });
-                Body::new(crate::priority::UsageTap::new(body, sse, strip, on_usage))
-            } else {
-                body
-            };
+            let priority_label = if ctx.low { "low" } else { "high" };
+            record_request(ctx, &b.cfg.name, parts.status.as_u16());
+            app.metrics
+                .ttfb
+                .get_or_create(&vec![("priority", priority_label.to_string())])
+                .observe(ctx.started.elapsed().as_secs_f64());
+            // When the body ends: its duration, the tokens its usage reports, and (with
+            // request priority) the release of the deployment's reservation, corrected by
+            // that usage.
+            let dep = b.deployment_state(served_model);
+            let est = ctx.est_tokens;
+            let started = ctx.started;
+            let labels = (b.cfg.name.to_string(), client.name().to_string());
+            let app_end = Arc::clone(app);
+            let on_usage: crate::priority::OnUsage = Box::new(move |used| {
+                if let (true, Some(d)) = (reserved, dep) {
+                    d.release(est, used, app_end.clock.now_ms());
+                }
+                if let Some(u) = used {
+                    app_end
+                        .metrics
+                        .tokens
+                        .get_or_create(&vec![("backend", labels.0), ("client", labels.1)])
+                        .inc_by(u);
+                }
+                app_end
+                    .metrics
+                    .duration
+                    .get_or_create(&vec![("priority", priority_label.to_string())])
+                    .observe(started.elapsed().as_secs_f64());
+            });
+            let json_body = parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("application/json"));
+            let body = Body::new(crate::priority::UsageTap::new(
+                body, sse, json_body, strip, on_usage,
+            ));
             let mut resp = Response::new(Body::new(TimeoutBody::new(idle, body)));
             *resp.status_mut() = parts.status;
             *resp.headers_mut() = headers;
@@ -1233,6 +1324,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client) -> Response {
                 ttfb_ms = elapsed_ms,
                 "request: no backend answer"
             );
+            record_request(ctx, "-", err.status.as_u16());
             let mut resp = err.into_response();
             resp.headers_mut()
                 .insert(HEADER_ATTEMPTS, HeaderValue::from(attempts));

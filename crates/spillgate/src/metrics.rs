@@ -1,0 +1,172 @@
+//! Prometheus metrics, served on the admin listener's `/metrics`.
+//!
+//! Counters and histograms are updated on the request path; the state of each backend
+//! (cooling seconds left, tracked remaining capacity) is read when scraped. Label values
+//! are bounded: backend and client names come from the config, models are the configured
+//! names (anything else is `other`), statuses are classes, reasons a fixed set. No request
+//! ids, no prompts.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+use crate::app::App;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Latency buckets in seconds: 5 ms to 5 minutes (completions can take minutes).
+const LATENCY_BUCKETS: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<Labels, Counter>,
+    pub attempts: Family<Labels, Counter>,
+    pub failovers: Family<Labels, Counter>,
+    pub cooldowns: Family<Labels, Counter>,
+    pub tokens: Family<Labels, Counter>,
+    pub low_priority: Family<Labels, Counter>,
+    pub duration: Family<Labels, Histogram>,
+    pub ttfb: Family<Labels, Histogram>,
+    cooling: Family<Labels, Gauge<f64, AtomicU64>>,
+    remaining_tokens: Family<Labels, Gauge>,
+    remaining_requests: Family<Labels, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("spillgate");
+        let m = Metrics {
+            registry: Registry::default(),
+            requests: Family::default(),
+            attempts: Family::default(),
+            failovers: Family::default(),
+            cooldowns: Family::default(),
+            tokens: Family::default(),
+            low_priority: Family::default(),
+            duration: Family::new_with_constructor(latency_histogram),
+            ttfb: Family::new_with_constructor(latency_histogram),
+            cooling: Family::default(),
+            remaining_tokens: Family::default(),
+            remaining_requests: Family::default(),
+        };
+        registry.register(
+            "requests",
+            "Client requests answered, by backend ('-' when none), status class, priority and model",
+            m.requests.clone(),
+        );
+        registry.register(
+            "upstream_attempts",
+            "Requests sent to backends, by backend and outcome (2xx, 3xx, 4xx, 429, 5xx, connect)",
+            m.attempts.clone(),
+        );
+        registry.register(
+            "failovers",
+            "Requests moved from a backend to the next candidate, by the backend left and why",
+            m.failovers.clone(),
+        );
+        registry.register(
+            "cooldowns",
+            "Cooldowns entered, by backend and reason (429, 5xx, connect, tripped, health)",
+            m.cooldowns.clone(),
+        );
+        registry.register(
+            "tokens",
+            "Tokens used (from the responses' usage), by backend and client",
+            m.tokens.clone(),
+        );
+        registry.register(
+            "low_priority_requests",
+            "Low-priority requests, by decision (admitted, refused)",
+            m.low_priority.clone(),
+        );
+        registry.register(
+            "request_duration_seconds",
+            "Time from a request's arrival to the end of its response body, by priority",
+            m.duration.clone(),
+        );
+        registry.register(
+            "time_to_first_byte_seconds",
+            "Time from a request's arrival to its response headers, by priority",
+            m.ttfb.clone(),
+        );
+        registry.register(
+            "backend_cooldown_seconds",
+            "Seconds left of a backend's (deployment '*') or a deployment's cooldown; 0 when ready",
+            m.cooling.clone(),
+        );
+        registry.register(
+            "capacity_remaining_tokens",
+            "Tokens a deployment has left, as tracked from its rate-limit headers",
+            m.remaining_tokens.clone(),
+        );
+        registry.register(
+            "capacity_remaining_requests",
+            "Requests a deployment has left in its short window, as tracked",
+            m.remaining_requests.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The exposition text, with the per-backend state read now.
+    pub fn render(&self, app: &App) -> String {
+        let snap = app.snapshot.load();
+        let now = app.clock.now_ms();
+        self.cooling.clear();
+        self.remaining_tokens.clear();
+        self.remaining_requests.clear();
+        for b in &snap.backends {
+            let name = b.cfg.name.to_string();
+            let left = |st: &crate::state::BackendState| {
+                st.cooldown(now)
+                    .map_or(0.0, |c| (c.until_ms - now) as f64 / 1000.0)
+            };
+            self.cooling
+                .get_or_create(&vec![
+                    ("backend", name.clone()),
+                    ("deployment", "*".to_string()),
+                ])
+                .set(left(&b.state));
+            for (dep, st) in b.deployments.all() {
+                let labels = vec![("backend", name.clone()), ("deployment", dep)];
+                self.cooling.get_or_create(&labels).set(left(&st));
+                let (tokens, requests) = st.capacity().available(now);
+                if let Some(t) = tokens {
+                    self.remaining_tokens
+                        .get_or_create(&labels)
+                        .set(i64::try_from(t).unwrap_or(i64::MAX));
+                }
+                if let Some(r) = requests {
+                    self.remaining_requests
+                        .get_or_create(&labels)
+                        .set(i64::try_from(r).unwrap_or(i64::MAX));
+                }
+            }
+        }
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// `2xx`, `4xx`, ... for a status.
+pub fn status_class(status: u16) -> String {
+    format!("{}xx", status / 100)
+}
