@@ -68,6 +68,12 @@ if ! command -v redis-server >/dev/null 2>&1; then
     apt_install redis-server
 fi
 echo "redis-server: $(command -v redis-server)"
+# The dashboard test drives Debian's chromium with Playwright (no browser download).
+if ! command -v chromium >/dev/null 2>&1; then
+    echo "chromium not found; installing it"
+    apt_install chromium
+fi
+echo "chromium: $(command -v chromium)"
 if ! command -v python3 >/dev/null 2>&1; then
     echo "python3 not found; installing it"
     apt_install python3 python3-venv
@@ -94,8 +100,8 @@ if [[ ! -x $PY ]]; then
         python3 -m venv "$VENV"
     fi
 fi
-if ! "$PY" -c 'import openai, pytest, prometheus_client' >/dev/null 2>&1; then
-    "$PY" -m pip install -q --disable-pip-version-check openai pytest prometheus_client </dev/null
+if ! "$PY" -c 'import openai, pytest, prometheus_client, playwright' >/dev/null 2>&1; then
+    "$PY" -m pip install -q --disable-pip-version-check openai pytest prometheus_client playwright </dev/null
 fi
 "$PY" -c 'import openai, pytest; print(f"openai {openai.__version__}, pytest {pytest.__version__}")'
 

@@ -64,6 +64,7 @@ pub fn state(app: &App) -> serde_json::Value {
             v["priority"] = serde_json::json!(b.cfg.priority);
             v["weight"] = serde_json::json!(b.cfg.weight);
             v["last_status"] = serde_json::json!(b.state.last_status());
+            v["served_total"] = serde_json::json!(b.state.served());
             v["deployments"] = b
                 .deployments
                 .all()
@@ -154,14 +155,37 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
     resp
 }
 
+/// The dashboard: one static page, compiled into the binary, that polls `/admin/state`.
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+async fn dashboard() -> Response {
+    let mut resp = DASHBOARD.into_response();
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    h.insert(
+        "content-security-policy",
+        HeaderValue::from_static(
+            "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'",
+        ),
+    );
+    resp
+}
+
 pub fn router(app: Arc<App>) -> Router {
-    Router::new()
+    // The page carries no data and so needs no token; the data endpoints do.
+    let guarded = Router::new()
         .route("/admin/state", get(admin_state))
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(
             Arc::clone(&app),
             require_token,
-        ))
+        ));
+    Router::new()
+        .route("/", get(dashboard))
+        .merge(guarded)
         .with_state(app)
 }
 

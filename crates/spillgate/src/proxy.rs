@@ -1226,6 +1226,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             let idle = snap.config.timeouts.idle;
             let priority_label = if ctx.low { "low" } else { "high" };
             record_request(ctx, &b.cfg.name, parts.status.as_u16());
+            b.state.count_served();
             app.metrics
                 .ttfb
                 .get_or_create(&vec![("priority", priority_label.to_string())])

@@ -66,6 +66,8 @@ pub struct BackendState {
     capacity: Mutex<Capacity>,
     /// A low-priority probe sent because the capacity data was stale is in flight.
     capacity_probe: AtomicBool,
+    /// Responses this backend gave that went back to clients (for the dashboard's chart).
+    served: AtomicU64,
 }
 
 /// Holds a deployment's low-priority capacity probe; frees it when dropped.
@@ -214,6 +216,14 @@ impl BackendState {
     /// A copy of the tracked capacity (for state views).
     pub fn capacity(&self) -> Capacity {
         self.capacity.lock().map(|c| c.clone()).unwrap_or_default()
+    }
+
+    pub fn count_served(&self) {
+        self.served.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
     }
 
     /// The backend answered well: it is fully back.
