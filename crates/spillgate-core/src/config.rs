@@ -898,7 +898,8 @@ fn validate_retry(
     let Some(r) = file else {
         return inherited.clone();
     };
-    let d = RetryPolicy::default();
+    // Fields a route's block leaves out come from the top-level [retry] (or the defaults).
+    let d = inherited.clone();
     let condition = r.condition.as_ref().map_or(d.condition.clone(), |c| {
         conditions(c, &format!("{path}.condition"), errors)
     });
@@ -914,7 +915,13 @@ fn validate_retry(
         &format!("{path}.per_backend"),
         errors,
     );
-    let backoff = if r.interval.is_none() && (r.delta.is_some() || r.max_interval.is_some()) {
+    let no_wait_fields = r.interval.is_none()
+        && r.delta.is_none()
+        && r.max_interval.is_none()
+        && r.first_fast_retry.is_none();
+    let backoff = if no_wait_fields {
+        d.backoff
+    } else if r.interval.is_none() && (r.delta.is_some() || r.max_interval.is_some()) {
         errors.push(
             format!("{path}.interval"),
             "is required when delta or max_interval is set",
@@ -1878,7 +1885,8 @@ trip = "30s"
         assert_eq!(t.route_for("gpt-35-turbo-16k", &c.backends), Some(0));
         assert_eq!(t.route_for("gpt-4o-mini", &c.backends), Some(1));
         assert_eq!(t.route_for("ada", &c.backends), Some(2));
-        // Routes without a retry block inherit [retry]; the top-level block inherits defaults.
+        // Routes without a retry block inherit [retry]; the top-level block inherits defaults;
+        // a route's own block inherits what it leaves out.
         assert_eq!(t.routes[0].retry.count, 2);
         assert_eq!(t.routes[0].retry.per_backend, 1);
         let r = &t.routes[1].retry;

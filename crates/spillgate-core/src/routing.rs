@@ -63,14 +63,13 @@ impl Pool {
 
     /// Picks a backend: the first tier (lowest priority number) that has a usable member
     /// wins, and inside it a member is drawn with probability proportional to its weight.
-    /// Allocation-free: two passes over the tier.
     pub fn select(
         &self,
         usable: impl Fn(BackendId) -> bool,
         rng: &mut fastrand::Rng,
     ) -> Option<BackendId> {
-        let (tier, total) = self.first_usable_tier(&usable)?;
-        draw(tier, &usable, total, rng)
+        let (members, total) = self.first_usable_tier(&usable)?;
+        draw(&members, total, rng)
     }
 
     /// Like [`Pool::select`], but inside the winning tier draws two members (by weight)
@@ -83,25 +82,31 @@ impl Pool {
         score: impl Fn(BackendId) -> Option<f64>,
         rng: &mut fastrand::Rng,
     ) -> Option<BackendId> {
-        let (tier, total) = self.first_usable_tier(&usable)?;
-        let a = draw(tier, &usable, total, rng)?;
-        let b = draw(tier, &usable, total, rng)?;
+        let (members, total) = self.first_usable_tier(&usable)?;
+        let a = draw(&members, total, rng)?;
+        let b = draw(&members, total, rng)?;
         Some(match (score(a), score(b)) {
             (Some(x), Some(y)) if y > x => b,
             _ => a,
         })
     }
 
-    /// The highest tier with a usable member, and the usable members' total weight.
-    fn first_usable_tier(&self, usable: &impl Fn(BackendId) -> bool) -> Option<(&Tier, u64)> {
+    /// The usable members of the highest tier that has any, and their total weight.
+    /// `usable` is asked once per member: live state may change between calls, and a
+    /// member seen usable must stay drawable.
+    fn first_usable_tier(
+        &self,
+        usable: &impl Fn(BackendId) -> bool,
+    ) -> Option<(Vec<(BackendId, u32)>, u64)> {
         self.tiers.iter().find_map(|tier| {
-            let total: u64 = tier
+            let members: Vec<(BackendId, u32)> = tier
                 .members
                 .iter()
+                .copied()
                 .filter(|(id, _)| usable(*id))
-                .map(|(_, w)| u64::from(*w))
-                .sum();
-            (total > 0).then_some((tier, total))
+                .collect();
+            let total: u64 = members.iter().map(|(_, w)| u64::from(*w)).sum();
+            (total > 0).then_some((members, total))
         })
     }
 
@@ -112,18 +117,10 @@ impl Pool {
     }
 }
 
-/// One usable member of `tier`, drawn with probability proportional to its weight.
-fn draw(
-    tier: &Tier,
-    usable: &impl Fn(BackendId) -> bool,
-    total: u64,
-    rng: &mut fastrand::Rng,
-) -> Option<BackendId> {
+/// One of `members`, drawn with probability proportional to its weight.
+fn draw(members: &[(BackendId, u32)], total: u64, rng: &mut fastrand::Rng) -> Option<BackendId> {
     let mut d = rng.u64(0..total);
-    for (id, w) in &tier.members {
-        if !usable(*id) {
-            continue;
-        }
+    for (id, w) in members {
         let w = u64::from(*w);
         if d < w {
             return Some(*id);
@@ -247,19 +244,23 @@ impl RoutingTable {
         }
     }
 
-    /// The route for `model`, if its pool has a backend that serves the model.
+    /// The route for `model`: the first route naming it exactly, else the first route
+    /// (in config order) whose glob matches, whose pool has a backend that serves it. A
+    /// route that matches but cannot serve the model does not hide a later one that can.
     pub fn route_for(&self, model: &str, backends: &[BackendConfig]) -> Option<RouteId> {
-        let id = self.exact.get(model).copied().or_else(|| {
+        let serves = |id: &RouteId| {
+            self.routes[*id]
+                .pool
+                .members()
+                .any(|b| backends[b].deployment_for(model).is_some())
+        };
+        self.exact.get(model).copied().filter(serves).or_else(|| {
             self.globs
                 .iter()
-                .find(|(p, _)| p.matches(model))
+                .filter(|(p, _)| p.matches(model))
                 .map(|(_, id)| *id)
-        })?;
-        self.routes[id]
-            .pool
-            .members()
-            .any(|b| backends[b].deployment_for(model).is_some())
-            .then_some(id)
+                .find(serves)
+        })
     }
 
     /// `model` when the config names it, else `other`: a bounded metric label.
@@ -387,6 +388,48 @@ mod tests {
             t.model_names().collect::<Vec<_>>(),
             vec!["gpt-35-turbo-16k"]
         );
+    }
+
+    #[test]
+    fn a_route_that_cannot_serve_a_model_does_not_hide_a_later_one() {
+        let bs = vec![
+            backend("four", 1, 1, Some(&[("gpt-4o", "d")])),
+            backend("any", 2, 1, None),
+        ];
+        let t = RoutingTable::new(
+            vec![
+                route("fours", &["gpt-4o*"], &[(0, 1, 1)]),
+                route("rest", &["*"], &[(1, 1, 1)]),
+            ],
+            &bs,
+        );
+        assert_eq!(t.route_for("gpt-4o", &bs), Some(0));
+        assert_eq!(
+            t.route_for("gpt-4o-mini", &bs),
+            Some(1),
+            "falls through to the catch-all"
+        );
+    }
+
+    #[test]
+    fn a_usable_member_stays_drawable_when_state_flips_between_calls() {
+        use std::cell::Cell;
+        let bs = vec![backend("a", 1, 1, None), backend("b", 1, 1, None)];
+        let pool = pool_of_all(&bs);
+        let mut rng = fastrand::Rng::with_seed(9);
+        for _ in 0..200 {
+            // Member 0 flips every time it is asked about, as a live probe slot can.
+            let flip = Cell::new(false);
+            let usable = |id: BackendId| {
+                if id == 0 {
+                    flip.set(!flip.get());
+                    flip.get()
+                } else {
+                    true
+                }
+            };
+            assert!(pool.select_scored(usable, |_| None, &mut rng).is_some());
+        }
     }
 
     #[test]

@@ -222,9 +222,7 @@ impl Snapshot {
                         (Arc::clone(&old.state), Arc::clone(&old.deployments))
                     }
                     None => (
-                        Arc::new(BackendState::new(
-                            b.breaker.as_ref().map(|c| c.policy.window),
-                        )),
+                        Arc::new(BackendState::default()),
                         Arc::new(DeploymentStates::with_names(known())),
                     ),
                 };
@@ -299,6 +297,9 @@ impl App {
 
     /// The gateway sending through `upstream` (tests use in-memory backends).
     pub fn with_upstream(config: Config, upstream: Arc<dyn Upstream>) -> anyhow::Result<Arc<App>> {
+        if config.priority.is_some() {
+            crate::priority::warm_up();
+        }
         let snapshot = Snapshot::build(config, None)?;
         Ok(Arc::new(App {
             snapshot: ArcSwap::from_pointee(snapshot),

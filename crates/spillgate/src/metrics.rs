@@ -92,7 +92,7 @@ impl Metrics {
         );
         registry.register(
             "low_priority_requests",
-            "Low-priority requests, by decision (admitted, refused)",
+            "Low-priority requests by model: admitted (reached a backend) or refused for priority",
             m.low_priority.clone(),
         );
         registry.register(

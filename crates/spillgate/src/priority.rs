@@ -126,14 +126,63 @@ pub fn estimate_tokens(body: &[u8], operation: &str, default_max_tokens: u64) ->
         .max(1)
 }
 
+/// A cheap estimate for every request when `[priority]` is off: body bytes / 4 plus the
+/// completion allowance (`max_tokens` x `n`, 0 when unset). Good enough to pass over a
+/// deployment whose tracked capacity clearly cannot take the request.
+pub fn cheap_estimate(body: &[u8], operation: &str) -> u64 {
+    #[derive(Deserialize, Default)]
+    struct P {
+        max_tokens: Option<u64>,
+        max_completion_tokens: Option<u64>,
+        max_output_tokens: Option<u64>,
+        n: Option<u64>,
+    }
+    let prompt = (body.len() as u64).div_ceil(4);
+    if operation.starts_with("embeddings") {
+        return prompt.max(1);
+    }
+    let p: P = serde_json::from_slice(body).unwrap_or_default();
+    let completion = p
+        .max_tokens
+        .or(p.max_completion_tokens)
+        .or(p.max_output_tokens)
+        .unwrap_or(0);
+    prompt
+        .saturating_add(completion.saturating_mul(p.n.unwrap_or(1).clamp(1, 128)))
+        .max(1)
+}
+
+/// Loads the tokenizer now (it takes a moment), so the first request does not pay for it.
+pub fn warm_up() {
+    let _ = tokenizer();
+}
+
+/// Whether a request may carry `stream_options`: chat and text completions, and on Azure
+/// classic paths only from api-version 2024-09-01 on (older ones reject the field).
+pub fn stream_usage_supported(operation: &str, api_version: Option<&str>) -> bool {
+    matches!(operation, "chat/completions" | "completions")
+        && api_version.is_none_or(|v| v >= "2024-09-01")
+}
+
 /// For a streaming request without `stream_options.include_usage: true`, the body with
-/// it set, so the backend reports usage; `None` when nothing needs to change.
+/// it set, so the backend reports usage; `None` when nothing needs to change. The field
+/// is spliced in, so every other byte of the body stays as the client sent it.
 pub fn request_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
-    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let obj = v.as_object_mut()?;
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let obj = v.as_object()?;
     if obj.get("stream") != Some(&serde_json::Value::Bool(true)) {
         return None;
     }
+    if !obj.contains_key("stream_options") {
+        let open = body.iter().position(|b| *b == b'{')?;
+        let mut out = Vec::with_capacity(body.len() + 40);
+        out.extend_from_slice(&body[..=open]);
+        out.extend_from_slice(br#""stream_options":{"include_usage":true},"#);
+        out.extend_from_slice(&body[open + 1..]);
+        return Some(out);
+    }
+    let mut v = v;
+    let obj = v.as_object_mut()?;
     let asked = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -412,8 +461,28 @@ mod tests {
     #[test]
     fn stream_usage_is_requested_only_when_missing() {
         let b = request_stream_usage(br#"{"stream":true,"messages":[]}"#).unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
-        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(
+            b, br#"{"stream_options":{"include_usage":true},"stream":true,"messages":[]}"#,
+            "spliced in, order kept"
+        );
+        assert!(stream_usage_supported("chat/completions", None));
+        assert!(stream_usage_supported(
+            "chat/completions",
+            Some("2024-10-21")
+        ));
+        assert!(stream_usage_supported(
+            "completions",
+            Some("2024-09-01-preview")
+        ));
+        assert!(!stream_usage_supported(
+            "chat/completions",
+            Some("2024-06-01")
+        ));
+        assert!(!stream_usage_supported("responses", None));
+        assert_eq!(
+            cheap_estimate(br#"{"max_tokens":100,"n":2}"#, "chat/completions"),
+            6 + 200
+        );
         let b = request_stream_usage(br#"{"stream":true,"stream_options":{"x":1}}"#).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(

@@ -16,7 +16,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use spillgate_core::capacity::{parse_headers as parse_ratelimit, Admission};
+use spillgate_core::capacity::{parse_headers as parse_ratelimit, Admission, Reserve};
 use spillgate_core::config::{is_safe_name, AllCoolingPolicy, BackendKind, Step};
 use spillgate_core::outcome::{cooldown_duration, retry_hint, CoolReason, Cooldown, Outcome};
 use spillgate_core::request::{
@@ -30,7 +30,7 @@ use tower_http::timeout::TimeoutBody;
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::errors::GatewayError;
-use crate::state::{BackendState, CapacityProbe, Probe, ProbeGuard};
+use crate::state::{BackendState, CapacityProbe, Probe, ProbeGuard, Reservation};
 use crate::upstream::AttemptError;
 
 pub const HEADER_BACKEND: &str = "x-spillgate-backend";
@@ -213,11 +213,18 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
     // With request priority on, streams ask the backend for their usage chunk (removed
     // again on the way back when the client did not ask for it).
     let priority = snap.config.priority.as_ref();
-    let (body, strip_usage) =
-        match priority.and_then(|_| crate::priority::request_stream_usage(&body)) {
-            Some(b) => (Bytes::from(b), true),
-            None => (body, false),
-        };
+    let api_version = parts
+        .uri
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("api-version=")));
+    let usage_ok = crate::priority::stream_usage_supported(operation, api_version);
+    let (body, strip_usage) = match priority
+        .filter(|_| usage_ok)
+        .and_then(|_| crate::priority::request_stream_usage(&body))
+    {
+        Some(b) => (Bytes::from(b), true),
+        None => (body, false),
+    };
     let low = priority.is_some() && crate::priority::is_low(&parts.headers, parts.uri.query());
 
     let (model, body_info) = match deployment {
@@ -272,9 +279,10 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         started,
         answered: false,
     };
-    let est_tokens = priority.map_or(0, |p| {
-        crate::priority::estimate_tokens(&body, operation, p.default_max_tokens)
-    });
+    let est_tokens = match priority {
+        Some(p) => crate::priority::estimate_tokens(&body, operation, p.default_max_tokens),
+        None => crate::priority::cheap_estimate(&body, operation),
+    };
     let ctx = Ctx {
         app: &app,
         snap: &snap,
@@ -291,15 +299,31 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
     let outcome = attempt_loop(&ctx).await;
     guard.answered = true;
     if ctx.low {
-        let decision = if matches!(outcome, Ended::PriorityRefused { .. }) {
-            "refused"
-        } else {
-            "admitted"
+        // Per model (the toolkit's per-deployment thresholds); admitted means it reached a
+        // backend.
+        let decision = match &outcome {
+            Ended::PriorityRefused { .. } => Some("refused"),
+            Ended::Served { .. } => Some("admitted"),
+            Ended::Exhausted { attempts, .. }
+            | Ended::BudgetExhausted { attempts, .. }
+            | Ended::DeadlineExceeded { attempts, .. } => (*attempts > 0).then_some("admitted"),
         };
-        app.metrics
-            .low_priority
-            .get_or_create(&vec![("decision", decision.to_string())])
-            .inc();
+        if let Some(d) = decision {
+            app.metrics
+                .low_priority
+                .get_or_create(&vec![
+                    ("decision", d.to_string()),
+                    (
+                        "model",
+                        ctx.snap
+                            .config
+                            .table
+                            .model_label(&ctx.req.model)
+                            .to_string(),
+                    ),
+                ])
+                .inc();
+        }
     }
     finish(outcome, &ctx, &client, &app)
 }
@@ -441,9 +465,9 @@ enum Ended {
         model: usize,
         attempts: u32,
         response: http::Response<Body>,
-        /// The response still holds the deployment's token reservation (no rate-limit
-        /// headers came): it is released, with the usage, when the body ends.
-        reserved: bool,
+        /// The deployment's reservation when no rate-limit headers settled it: it ends,
+        /// corrected by the usage, when the body ends.
+        reservation: Option<Reservation>,
     },
     /// Nothing usable: every candidate failed, was tried, or is cooling down.
     Exhausted {
@@ -465,22 +489,25 @@ enum Ended {
 enum Next {
     /// Select a backend (the first attempt, or moving on).
     Select,
-    /// Try the same backend again after `wait`, keeping its probe slot if it holds one.
+    /// Try the same backend again after `wait` (already paid from the retry budget),
+    /// keeping its probe slots; `outcome` is what the last try got.
     Same {
         backend: BackendId,
         model: usize,
         tries: u32,
         wait: Duration,
-        probe: Probes,
+        probes: Probes,
+        outcome: Outcome,
     },
 }
 
-/// The probe slots an attempt holds (resource and deployment level). Held only for
-/// their `Drop`, which frees the slots when the attempt is over.
+/// The probe slots an attempt holds (resource and deployment level, and the
+/// low-priority capacity probe). Held for their `Drop`, which frees the slots when the
+/// attempt is over; only an attempt that holds a slot may declare its backend recovered.
 #[derive(Debug, Default)]
 struct Probes {
-    _resource: Option<ProbeGuard>,
-    _deployment: Option<ProbeGuard>,
+    resource: Option<ProbeGuard>,
+    deployment: Option<ProbeGuard>,
     _capacity: Option<CapacityProbe>,
 }
 
@@ -498,8 +525,8 @@ fn take_probes(backend: &BackendRt, deployment: &Arc<BackendState>) -> Option<Pr
         Probe::Busy => return None,
     };
     Some(Probes {
-        _resource: resource,
-        _deployment: dep,
+        resource,
+        deployment: dep,
         _capacity: None,
     })
 }
@@ -511,67 +538,110 @@ fn usable(backend: &BackendRt, model: &str, now: u64) -> bool {
             .is_some_and(|d| d.is_usable(now))
 }
 
+/// A backend chosen for an attempt, with what it holds for the attempt's duration.
+struct Pick {
+    id: BackendId,
+    model: usize,
+    probes: Probes,
+    reservation: Option<Reservation>,
+}
+
+/// The low-priority reserve that applies to `model` for this request, if any.
+fn low_reserve<'a>(
+    ctx: &'a Ctx<'_>,
+    model: &str,
+) -> Option<(Reserve, &'a spillgate_core::capacity::CapacityPolicy)> {
+    if !ctx.low {
+        return None;
+    }
+    let p = ctx.snap.config.priority.as_ref()?;
+    p.reserve_for(model).map(|r| (r, &p.capacity))
+}
+
 /// Picks the next backend over the candidate models in order: the requested model's pool
 /// first, then each fallback's. A recovering backend (or deployment) is taken only with
-/// its probe slot.
-fn select_backend(
-    ctx: &Ctx<'_>,
+/// its probe slot; a low-priority request only where capacity admits it. The first pass
+/// also passes over deployments whose tracked capacity cannot cover the request (as if
+/// they had answered 429); when that leaves nothing, a second pass tries them anyway,
+/// since the tracked numbers are estimates. The capacity check and the reservation are
+/// one step, so concurrent requests cannot all take the same remaining capacity.
+fn select_backend<'s>(
+    ctx: &Ctx<'s>,
     chain: &[Candidate<'_>],
-    tried: &[BackendId],
+    tried: &[(BackendId, &'s str)],
     now: u64,
     rng: &mut fastrand::Rng,
-) -> Option<(BackendId, usize, Probes)> {
+) -> Option<Pick> {
     let backends = &ctx.snap.backends;
-    let priority = ctx.snap.config.priority.as_ref();
-    let mut busy: Vec<BackendId> = Vec::new();
-    for (ci, c) in chain.iter().enumerate() {
-        let pool = &ctx.snap.config.table.routes[c.route].pool;
-        let reserve = if ctx.low {
-            priority.and_then(|p| p.reserve_for(c.model).map(|r| (p, r)))
-        } else {
-            None
-        };
-        let admission = |id: BackendId| -> Admission {
-            match (&reserve, backends[id].deployment_state(c.model)) {
-                (Some((p, r)), Some(d)) => d.admit_low(ctx.est_tokens, *r, &p.capacity, now),
-                _ => Admission::Admit,
-            }
-        };
-        loop {
-            let pick = pool.select_scored(
-                |id| {
-                    !tried.contains(&id)
-                        && !busy.contains(&id)
-                        && usable(&backends[id], c.model, now)
-                        && !matches!(admission(id), Admission::Refuse(_))
-                },
-                |id| {
-                    backends[id]
-                        .deployment_state(c.model)
-                        .and_then(|d| d.headroom(now))
-                },
-                rng,
-            );
-            let Some(id) = pick else { break };
-            let Some(dep) = backends[id].deployment_state(c.model) else {
-                busy.push(id);
-                continue;
-            };
-            let Some(mut probes) = take_probes(&backends[id], &dep) else {
-                // Another request took a probe slot between the check and now.
-                busy.push(id);
-                continue;
-            };
-            if admission(id) == Admission::Probe {
-                match dep.acquire_capacity_probe() {
-                    Some(p) => probes._capacity = Some(p),
-                    None => {
-                        busy.push(id);
-                        continue;
+    for strict in [true, false] {
+        let mut busy: Vec<BackendId> = Vec::new();
+        for (ci, c) in chain.iter().enumerate() {
+            let pool = &ctx.snap.config.table.routes[c.route].pool;
+            let reserve = low_reserve(ctx, c.model);
+            loop {
+                let pick = pool.select_scored(
+                    |id| {
+                        let b = &backends[id];
+                        let Some(dep) = b.cfg.deployment_for(c.model) else {
+                            return false;
+                        };
+                        if tried.contains(&(id, dep))
+                            || busy.contains(&id)
+                            || !usable(b, c.model, now)
+                        {
+                            return false;
+                        }
+                        let Some(state) = b.deployment_state(c.model) else {
+                            return false;
+                        };
+                        let admitted = reserve.is_none_or(|(r, p)| {
+                            !matches!(
+                                state.admit_low(ctx.est_tokens, r, p, now),
+                                Admission::Refuse(_)
+                            )
+                        });
+                        admitted && (!strict || state.covers(ctx.est_tokens, now))
+                    },
+                    |id| {
+                        backends[id]
+                            .deployment_state(c.model)
+                            .and_then(|d| d.headroom(now))
+                    },
+                    rng,
+                );
+                let Some(id) = pick else { break };
+                let Some(dep) = backends[id].deployment_state(c.model) else {
+                    busy.push(id);
+                    continue;
+                };
+                // Another request may have taken a probe slot or the capacity since the
+                // check: then this backend is busy for now.
+                let Some(mut probes) = take_probes(&backends[id], &dep) else {
+                    busy.push(id);
+                    continue;
+                };
+                let Some((reservation, admission)) =
+                    dep.try_reserve(ctx.est_tokens, reserve, strict, now)
+                else {
+                    busy.push(id);
+                    continue;
+                };
+                if admission == Admission::Probe {
+                    match dep.acquire_capacity_probe() {
+                        Some(p) => probes._capacity = Some(p),
+                        None => {
+                            busy.push(id);
+                            continue;
+                        }
                     }
                 }
+                return Some(Pick {
+                    id,
+                    model: ci,
+                    probes,
+                    reservation: Some(reservation),
+                });
             }
-            return Some((id, ci, probes));
         }
     }
     None
@@ -579,28 +649,27 @@ fn select_backend(
 
 /// For a low-priority request that found no backend: when the soonest candidate that is
 /// not cooling will have capacity to spare, if capacity is why it was refused.
-fn priority_refusal(
-    ctx: &Ctx<'_>,
+fn priority_refusal<'s>(
+    ctx: &Ctx<'s>,
     chain: &[Candidate<'_>],
-    tried: &[BackendId],
+    tried: &[(BackendId, &'s str)],
     now: u64,
 ) -> Option<Duration> {
-    let p = ctx.snap.config.priority.as_ref()?;
     if !ctx.low {
         return None;
     }
     candidates(ctx, chain)
-        .filter(|(id, _)| !tried.contains(id))
+        .filter(|(id, ci)| !was_tried(ctx, tried, *id, chain[*ci].model))
         .filter_map(|(id, ci)| {
             let model = chain[ci].model;
             let b = &ctx.snap.backends[id];
             if !usable(b, model, now) {
                 return None;
             }
-            let reserve = p.reserve_for(model)?;
+            let (reserve, policy) = low_reserve(ctx, model)?;
             match b
                 .deployment_state(model)?
-                .admit_low(ctx.est_tokens, reserve, &p.capacity, now)
+                .admit_low(ctx.est_tokens, reserve, policy, now)
             {
                 Admission::Refuse(wait) => Some(wait.unwrap_or(1_000)),
                 _ => None,
@@ -608,6 +677,14 @@ fn priority_refusal(
         })
         .min()
         .map(|ms| Duration::from_millis(ms.max(1_000)))
+}
+
+/// Whether this request already tried `model`'s deployment on backend `id`.
+fn was_tried(ctx: &Ctx<'_>, tried: &[(BackendId, &str)], id: BackendId, model: &str) -> bool {
+    ctx.snap.backends[id]
+        .cfg
+        .deployment_for(model)
+        .is_some_and(|d| tried.contains(&(id, d)))
 }
 
 /// Every `(backend, model)` pair that could serve the request: the pool of the requested
@@ -653,6 +730,22 @@ fn discard(response: Option<http::Response<Body>>) {
     }
 }
 
+/// Takes one extra attempt from the route's retry budget, or says why not.
+fn pay_retry(ctx: &Ctx<'_>) -> Result<(), BudgetState> {
+    let budget = &ctx.snap.routes[ctx.route_id].budget;
+    budget
+        .lock()
+        .map(|mut b| {
+            let now = ctx.app.clock.now_ms();
+            if b.try_withdraw(now) {
+                Ok(())
+            } else {
+                Err(b.state(now))
+            }
+        })
+        .unwrap_or(Ok(()))
+}
+
 /// Tries backends until one gives an answer the route's retry policy does not retry.
 /// Moving to another backend never waits; waiting happens only between tries of the same
 /// backend (per the retry policy), or for the soonest recovery under `wait`.
@@ -667,13 +760,12 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let deadline = route.deadline.or(routing.deadline);
     let deadline_at = deadline.map(|d| ctx.started + d);
     let max_attempts = routing.max_attempts.unwrap_or(u32::MAX);
-    let budget = &snap.routes[ctx.route_id].budget;
-    if let Ok(mut b) = budget.lock() {
-        b.deposit(app.clock.now_ms());
-    }
+    let remaining =
+        || deadline_at.map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
+    let deadline_passed = || remaining().is_some_and(|r| r.is_zero());
 
     let mut rng = fastrand::Rng::new();
-    let mut tried: Vec<BackendId> = Vec::new();
+    let mut tried: Vec<(BackendId, &str)> = Vec::new();
     let mut failures: Vec<Outcome> = Vec::new();
     let mut attempts: u32 = 0;
     let mut waited = Duration::ZERO;
@@ -684,36 +776,73 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let mut last_answer: Option<(BackendId, usize, http::Response<Body>)> = None;
 
     loop {
-        let remaining =
-            deadline_at.map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
-        if let (Some(rem), Some(d)) = (remaining, deadline) {
-            if rem.is_zero() {
-                return Ended::DeadlineExceeded {
-                    attempts,
-                    deadline: d,
-                };
-            }
+        if deadline_passed() {
+            return Ended::DeadlineExceeded {
+                attempts,
+                deadline: deadline.unwrap_or_default(),
+            };
         }
         if attempts >= max_attempts {
             return give_up(attempts, failures, last_answer);
         }
         let now = app.clock.now_ms();
-        let (id, ci, tries_before, probes, forced) = match std::mem::replace(
-            &mut next,
-            Next::Select,
-        ) {
+        let (pick, tries_before, forced) = match std::mem::replace(&mut next, Next::Select) {
             Next::Same {
                 backend,
                 model,
                 tries,
                 wait,
-                probe,
+                probes,
+                outcome,
             } => {
-                tokio::time::sleep(wait).await;
-                (backend, model, tries, probe, false)
+                // The wait never outlasts the deadline.
+                let wake = tokio::time::Instant::now() + wait;
+                tokio::time::sleep_until(deadline_at.map_or(wake, |d| d.min(wake))).await;
+                if deadline_passed() {
+                    return Ended::DeadlineExceeded {
+                        attempts,
+                        deadline: deadline.unwrap_or_default(),
+                    };
+                }
+                // The backend may have been cooled, tripped or filled by other requests
+                // meanwhile: then the request moves on instead.
+                let now = app.clock.now_ms();
+                let b = &snap.backends[backend];
+                let m = chain[model].model;
+                let still_ready =
+                    b.state.is_ready(now) && b.deployment_state(m).is_some_and(|d| d.is_ready(now));
+                let reserved = still_ready
+                    .then(|| b.deployment_state(m))
+                    .flatten()
+                    .and_then(|d| d.try_reserve(ctx.est_tokens, low_reserve(ctx, m), false, now));
+                match reserved {
+                    Some((reservation, _)) => (
+                        Pick {
+                            id: backend,
+                            model,
+                            probes,
+                            reservation: Some(reservation),
+                        },
+                        tries,
+                        false,
+                    ),
+                    None => {
+                        failures.push(outcome);
+                        continue;
+                    }
+                }
             }
             Next::Select => match select_backend(ctx, &chain, &tried, now, &mut rng) {
-                Some((id, ci, probes)) => (id, ci, 0, probes, false),
+                Some(pick) => {
+                    if attempts > 0 {
+                        // Every attempt after the first is paid from the route's budget.
+                        if let Err(state) = pay_retry(ctx) {
+                            tracing::warn!(model = %ctx.req.model, route = %route.name, budget = %state, "retry budget exhausted; no further attempts");
+                            return Ended::BudgetExhausted { attempts, state };
+                        }
+                    }
+                    (pick, 0, false)
+                }
                 None => {
                     if let Some(retry_after) = priority_refusal(ctx, &chain, &tried, now) {
                         tracing::info!(model = %ctx.req.model, est_tokens = ctx.est_tokens, retry_after_ms = retry_after.as_millis() as u64, "low-priority request refused: no spare capacity");
@@ -722,11 +851,26 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                             retry_after,
                         };
                     }
-                    // Every untried candidate is cooling down (or none is left).
-                    let soonest = candidates(ctx, &chain)
-                        .filter(|(id, _)| !tried.contains(id))
-                        .filter_map(|(id, ci)| snap.backends[id].cooldown_for(chain[ci].model, now))
+                    // Every untried candidate is cooling down, probed by another request,
+                    // or none is left.
+                    let untried: Vec<(BackendId, usize)> = candidates(ctx, &chain)
+                        .filter(|(id, ci)| !was_tried(ctx, &tried, *id, chain[*ci].model))
+                        .collect();
+                    let busy_soon = untried
+                        .iter()
+                        .any(|(id, ci)| {
+                            snap.backends[*id]
+                                .cooldown_for(chain[*ci].model, now)
+                                .is_none()
+                        })
+                        .then_some(now + 50);
+                    let soonest = untried
+                        .iter()
+                        .filter_map(|(id, ci)| {
+                            snap.backends[*id].cooldown_for(chain[*ci].model, now)
+                        })
                         .map(|c| c.until_ms)
+                        .chain(busy_soon)
                         .min();
                     match (routing.when_all_cooling, soonest) {
                         (_, None) | (AllCoolingPolicy::Reject, _) => {
@@ -737,7 +881,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                             // they do not all arrive in the same instant.
                             let until = until + rng.u64(0..100);
                             let wait = Duration::from_millis(until.saturating_sub(now));
-                            let within_deadline = remaining.is_none_or(|r| wait < r);
+                            let within_deadline = remaining().is_none_or(|r| wait < r);
                             if waited + wait > routing.max_wait || !within_deadline {
                                 return give_up(attempts, failures, last_answer);
                             }
@@ -747,44 +891,70 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                             continue;
                         }
                         (AllCoolingPolicy::ForwardFirst, Some(_)) => {
-                            match candidates(ctx, &chain).find(|(id, _)| !tried.contains(id)) {
-                                Some((id, ci)) => (id, ci, 0, Probes::default(), true),
-                                None => return give_up(attempts, failures, last_answer),
+                            let Some((id, ci)) = untried.first().copied() else {
+                                return give_up(attempts, failures, last_answer);
+                            };
+                            let m = chain[ci].model;
+                            let Some(dep) = snap.backends[id].deployment_state(m) else {
+                                return give_up(attempts, failures, last_answer);
+                            };
+                            // Forwarding anyway never lets low priority past its reserve.
+                            if let Some((r, p)) = low_reserve(ctx, m) {
+                                if let Admission::Refuse(w) =
+                                    dep.admit_low(ctx.est_tokens, r, p, now)
+                                {
+                                    let retry_after =
+                                        Duration::from_millis(w.unwrap_or(1_000).max(1_000));
+                                    return Ended::PriorityRefused {
+                                        attempts,
+                                        retry_after,
+                                    };
+                                }
                             }
+                            let reservation = dep
+                                .try_reserve(ctx.est_tokens, None, false, now)
+                                .map(|(r, _)| r);
+                            (
+                                Pick {
+                                    id,
+                                    model: ci,
+                                    probes: Probes::default(),
+                                    reservation,
+                                },
+                                0,
+                                true,
+                            )
                         }
                     }
                 }
             },
         };
+        let Pick {
+            id,
+            model: ci,
+            probes,
+            mut reservation,
+        } = pick;
 
-        // Every attempt after the first is paid from the route's retry budget.
-        if attempts > 0 {
-            let granted = budget
-                .lock()
-                .map(|mut b| {
-                    let now = app.clock.now_ms();
-                    if b.try_withdraw(now) {
-                        Ok(())
-                    } else {
-                        Err(b.state(now))
-                    }
-                })
-                .unwrap_or(Ok(()));
-            if let Err(state) = granted {
-                tracing::warn!(model = %ctx.req.model, route = %route.name, budget = %state, "retry budget exhausted; no further attempts");
-                return Ended::BudgetExhausted { attempts, state };
+        if attempts == 0 {
+            // The budget counts requests that reach a backend.
+            if let Ok(mut b) = snap.routes[ctx.route_id].budget.lock() {
+                b.deposit(app.clock.now_ms());
             }
         }
         attempts += 1;
-        if !tried.contains(&id) {
-            tried.push(id);
-        }
         let backend = &snap.backends[id];
         let model = chain[ci].model;
-        let Some(deployment) = backend.deployment_state(model) else {
+        let (Some(deployment), Some(dep_name)) = (
+            backend.deployment_state(model),
+            backend.cfg.deployment_for(model),
+        ) else {
             failures.push(Outcome::ConnectError);
             continue;
         };
+        if !tried.contains(&(id, dep_name)) {
+            tried.push((id, dep_name));
+        }
 
         let upstream_req = match build_upstream_request(backend, model, ctx, &mut lazy_body_info) {
             Ok(r) => r,
@@ -796,36 +966,35 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         };
         // The deadline may cut the first-byte timeout short; when it is what fires, the
         // request is over, and the backend is not to blame.
-        let deadline_bound = remaining.is_some_and(|r| r < first_byte);
-        let timeout = remaining.map_or(first_byte, |r| r.min(first_byte));
-        let track = snap.config.priority.as_ref();
-        if track.is_some() {
-            deployment.reserve(ctx.est_tokens);
-        }
+        let left = remaining();
+        let deadline_bound = left.is_some_and(|r| r < first_byte);
+        let timeout = left.map_or(first_byte, |r| r.min(first_byte));
         let result = app.upstream.send(upstream_req, timeout).await;
         let now = app.clock.now_ms();
-        // What the response says about the deployment's remaining capacity. When it says
-        // something, the reservation ends here (the backend has counted the request);
-        // otherwise it ends with the response, corrected by its usage.
-        let mut reserved = track.is_some();
-        if let (Some(p), Ok(resp)) = (track, &result) {
-            let h = parse_ratelimit(|n| resp.headers().get(n).and_then(|v| v.to_str().ok()));
-            if !h.is_empty() {
-                deployment.observe_capacity(&h, &p.capacity, now);
-                deployment.release(ctx.est_tokens, None, now);
-                reserved = false;
-            }
-        } else if reserved && result.is_err() {
-            deployment.release(ctx.est_tokens, None, now);
-            reserved = false;
-        }
         let (attempt, outcome, hint, response) = match result {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 backend.state.set_last_status(status);
                 deployment.set_last_status(status);
-                let hint = retry_hint(|n| resp.headers().get(n).and_then(|v| v.to_str().ok()), now)
+                let headers = resp.headers();
+                let hint = retry_hint(|n| headers.get(n).and_then(|v| v.to_str().ok()), now)
                     .map(|h| h.min(snap.config.cooldown.max));
+                // What the response says about the deployment's capacity. When it says
+                // something, the reservation ends here (the backend has counted the
+                // request); otherwise it ends with the body, corrected by its usage.
+                let h = parse_ratelimit(|n| headers.get(n).and_then(|v| v.to_str().ok()));
+                if !h.is_empty() {
+                    let policy = snap
+                        .config
+                        .priority
+                        .as_ref()
+                        .map(|p| p.capacity)
+                        .unwrap_or_default();
+                    deployment.observe_capacity(&h, &policy, now);
+                    if let Some(r) = reservation.take() {
+                        r.settle(None, now);
+                    }
+                }
                 (
                     AttemptResult::Status(status),
                     Outcome::from_status(status),
@@ -873,9 +1042,15 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 .inc();
         }
         if !outcome.fails_over() {
-            // It answered (a success or the client's own error): fully back.
-            backend.state.recovered();
-            deployment.recovered();
+            // It answered (a success or the client's own error). Only the request holding
+            // a probe slot ends a recovery: a request sent before the cooldown began and
+            // answered after it must not.
+            if probes.resource.is_some() {
+                backend.state.recovered();
+            }
+            if probes.deployment.is_some() {
+                deployment.recovered();
+            }
         }
 
         let step = if forced {
@@ -883,7 +1058,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         } else {
             match policy.next(attempt, hint, tries_before + 1, attempts - 1, rng.f64()) {
                 // A wait that would outlast the deadline: move on instead.
-                Step::RetrySame(wait) if remaining.is_some_and(|r| wait >= r) => Step::Switch,
+                Step::RetrySame(wait) if remaining().is_some_and(|r| wait >= r) => Step::Switch,
                 s => s,
             }
         };
@@ -930,7 +1105,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         model: ci,
                         attempts,
                         response,
-                        reserved,
+                        reservation,
                     }
                 }
                 None => {
@@ -939,9 +1114,6 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             },
             Step::Switch => {
-                if reserved {
-                    deployment.release(ctx.est_tokens, None, now);
-                }
                 app.metrics
                     .failovers
                     .get_or_create(&vec![
@@ -962,17 +1134,20 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             }
             Step::RetrySame(wait) => {
-                if reserved {
-                    deployment.release(ctx.est_tokens, None, now);
-                }
                 discard(response);
+                // Paid before waiting: a spent budget ends the request now, not after.
+                if let Err(state) = pay_retry(ctx) {
+                    tracing::warn!(model = %ctx.req.model, route = %route.name, budget = %state, "retry budget exhausted; no further attempts");
+                    return Ended::BudgetExhausted { attempts, state };
+                }
                 tracing::debug!(backend = %backend.cfg.name, wait_ms = wait.as_millis() as u64, tries = tries_before + 1, "retrying the same backend");
                 next = Next::Same {
                     backend: id,
                     model: ci,
                     tries: tries_before + 1,
                     wait,
-                    probe: probes,
+                    probes,
+                    outcome,
                 };
             }
         }
@@ -992,13 +1167,14 @@ fn give_up(
             model,
             attempts,
             response,
-            reserved: false,
+            reservation: None,
         },
         None => Ended::Exhausted { attempts, failures },
     }
 }
 
-/// Feeds the backend's circuit breaker and trips it when its rule says so.
+/// Feeds the backend's circuit breaker and trips it when its rule says so; says whether
+/// it tripped.
 fn record_breaker(
     backend: &BackendRt,
     attempt: AttemptResult,
@@ -1007,39 +1183,29 @@ fn record_breaker(
     cooldown: &spillgate_core::config::CooldownPolicy,
     rng: &mut fastrand::Rng,
 ) -> bool {
-    let (Some(cfg), Some(window)) = (&backend.cfg.breaker, &backend.state.breaker) else {
+    let Some(cfg) = &backend.cfg.breaker else {
         return false;
     };
     let failed = cfg.condition.matches(attempt);
-    let trip = match window.lock() {
-        Ok(mut w) => {
-            w.record(now, failed);
-            let (total, fails) = w.counts(now);
-            let trip = failed && cfg.policy.should_trip(total, fails);
-            if trip {
-                w.clear();
-            }
-            trip.then_some((total, fails))
-        }
-        Err(_) => None,
-    };
-    if let Some((total, fails)) = trip {
-        let d = cfg.policy.trip_for(hint);
-        let until_ms = now.saturating_add(millis(d + jitter(d, cooldown, rng)));
-        backend.state.cool(Cooldown {
-            until_ms,
-            reason: CoolReason::Tripped,
-        });
-        tracing::warn!(
-            backend = %backend.cfg.name,
-            failures = fails,
-            requests = total,
-            trip_ms = millis(d),
-            "circuit breaker tripped"
-        );
-        return true;
+    let (total, fails) = backend.state.breaker_record(cfg.policy.window, now, failed);
+    if !(failed && cfg.policy.should_trip(total, fails)) {
+        return false;
     }
-    false
+    backend.state.breaker_clear();
+    let d = cfg.policy.trip_for(hint);
+    let until_ms = now.saturating_add(millis(d + jitter(d, cooldown, rng)));
+    backend.state.cool(Cooldown {
+        until_ms,
+        reason: CoolReason::Tripped,
+    });
+    tracing::warn!(
+        backend = %backend.cfg.name,
+        failures = fails,
+        requests = total,
+        trip_ms = millis(d),
+        "circuit breaker tripped"
+    );
+    true
 }
 
 fn millis(d: Duration) -> u64 {
@@ -1189,7 +1355,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             model,
             attempts,
             response,
-            reserved,
+            reservation,
         } => {
             let b = &snap.backends[backend];
             let chain = fallback_chain(ctx);
@@ -1234,14 +1400,12 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             // When the body ends: its duration, the tokens its usage reports, and (with
             // request priority) the release of the deployment's reservation, corrected by
             // that usage.
-            let dep = b.deployment_state(served_model);
-            let est = ctx.est_tokens;
             let started = ctx.started;
             let labels = (b.cfg.name.to_string(), client.name().to_string());
             let app_end = Arc::clone(app);
             let on_usage: crate::priority::OnUsage = Box::new(move |used| {
-                if let (true, Some(d)) = (reserved, dep) {
-                    d.release(est, used, app_end.clock.now_ms());
+                if let Some(r) = reservation {
+                    r.settle(used, app_end.clock.now_ms());
                 }
                 if let Some(u) = used {
                     app_end

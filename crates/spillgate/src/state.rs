@@ -60,14 +60,42 @@ pub struct BackendState {
     last_status: AtomicU16,
     recovering: AtomicBool,
     probe_in_flight: AtomicBool,
-    /// Requests and failures in the breaker's window, when a breaker is configured.
-    pub breaker: Option<Mutex<FailureWindow>>,
+    /// Requests and failures in the breaker's window, with the window's length; built on
+    /// first use and rebuilt when the configured window changes (e.g. by a reload).
+    breaker: Mutex<Option<(std::time::Duration, FailureWindow)>>,
     /// Spare capacity tracked from the deployment's rate-limit headers.
     capacity: Mutex<Capacity>,
     /// A low-priority probe sent because the capacity data was stale is in flight.
     capacity_probe: AtomicBool,
     /// Responses this backend gave that went back to clients (for the dashboard's chart).
     served: AtomicU64,
+}
+
+/// Tokens (and one request) reserved on a deployment for a request in flight. Released
+/// when dropped, so a request that is cancelled (its client went away) or fails gives its
+/// reservation back on every path.
+#[derive(Debug)]
+pub struct Reservation {
+    state: Arc<BackendState>,
+    tokens: u64,
+    armed: bool,
+}
+
+impl Reservation {
+    /// Ends the reservation now, taking `used` tokens (a response's usage) off the
+    /// tracked capacity when given.
+    pub fn settle(mut self, used: Option<u64>, now_ms: u64) {
+        self.armed = false;
+        self.state.release(self.tokens, used, now_ms);
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.armed {
+            self.state.release(self.tokens, None, 0);
+        }
+    }
 }
 
 /// Holds a deployment's low-priority capacity probe; frees it when dropped.
@@ -113,10 +141,34 @@ pub enum Availability {
 }
 
 impl BackendState {
-    pub fn new(breaker_window: Option<std::time::Duration>) -> BackendState {
-        BackendState {
-            breaker: breaker_window.map(|w| Mutex::new(FailureWindow::new(w))),
-            ..BackendState::default()
+    /// Records one attempt in the breaker window of length `window`; returns the
+    /// window's `(total, failed)` counts. The window is cleared after a trip by the caller.
+    pub fn breaker_record(
+        &self,
+        window: std::time::Duration,
+        now_ms: u64,
+        failed: bool,
+    ) -> (u64, u64) {
+        let Ok(mut slot) = self.breaker.lock() else {
+            return (0, 0);
+        };
+        if slot.as_ref().is_none_or(|(w, _)| *w != window) {
+            *slot = Some((window, FailureWindow::new(window)));
+        }
+        match slot.as_mut() {
+            Some((_, w)) => {
+                w.record(now_ms, failed);
+                w.counts(now_ms)
+            }
+            None => (0, 0),
+        }
+    }
+
+    pub fn breaker_clear(&self) {
+        if let Ok(mut slot) = self.breaker.lock() {
+            if let Some((_, w)) = slot.as_mut() {
+                w.clear();
+            }
         }
     }
 
@@ -198,6 +250,58 @@ impl BackendState {
             .lock()
             .map(|c| c.admit_low(tokens, reserve, policy, probing, now_ms))
             .unwrap_or(Admission::Admit)
+    }
+
+    /// Whether the tracked capacity can take a request of `tokens` now (one request and
+    /// its tokens free after in-flight reservations). Unknown capacity can.
+    pub fn covers(&self, tokens: u64, now_ms: u64) -> bool {
+        self.capacity
+            .lock()
+            .map(|c| {
+                let (t, r) = c.available(now_ms);
+                t.is_none_or(|t| t >= tokens) && r.is_none_or(|r| r >= 1)
+            })
+            .unwrap_or(true)
+    }
+
+    /// Checks and reserves in one step, so two requests cannot both be admitted against
+    /// the same remaining capacity: with `reserve` (a low-priority request) the admission
+    /// rule must pass; with `strict`, the capacity must also cover the request. On success
+    /// the guard holds the reservation, and the admission says whether this request is
+    /// the capacity probe.
+    pub fn try_reserve(
+        self: &Arc<Self>,
+        tokens: u64,
+        reserve: Option<(Reserve, &CapacityPolicy)>,
+        strict: bool,
+        now_ms: u64,
+    ) -> Option<(Reservation, Admission)> {
+        let mut c = self.capacity.lock().ok()?;
+        let admission = match reserve {
+            Some((r, policy)) => {
+                let probing = self.capacity_probe.load(Ordering::Acquire);
+                c.admit_low(tokens, r, policy, probing, now_ms)
+            }
+            None => Admission::Admit,
+        };
+        if let Admission::Refuse(_) = admission {
+            return None;
+        }
+        if strict && admission == Admission::Admit {
+            let (t, r) = c.available(now_ms);
+            if !(t.is_none_or(|t| t >= tokens) && r.is_none_or(|r| r >= 1)) {
+                return None;
+            }
+        }
+        c.reserve(tokens);
+        Some((
+            Reservation {
+                state: Arc::clone(self),
+                tokens,
+                armed: true,
+            },
+            admission,
+        ))
     }
 
     /// Takes the capacity probe slot, if free.

@@ -873,3 +873,298 @@ async fn wait_policy_waits_for_the_soonest_recovery_within_the_bound() {
     assert_eq!(h(&headers, "x-spillgate-attempts"), "0");
     assert_eq!(t0.elapsed(), Duration::ZERO);
 }
+
+// ---------------------------------------------------------------------------------------
+// Regressions found by review: reservations and probes released on every path, state
+// re-checked before a same-backend retry, the deadline kept through waits, fallbacks on
+// the same resource, atomic admission, waiters behind a probe, forward-first and
+// admission, breakers added by reload.
+// ---------------------------------------------------------------------------------------
+
+async fn spawn_chat(gw: &Gw, low: bool, model: &str) -> tokio::task::JoinHandle<(u16, String)> {
+    let router = gw.router.clone();
+    let body = CHAT.replace("gpt-4o", model);
+    tokio::spawn(async move {
+        let mut req = http::Request::post("/v1/chat/completions").header("api-key", KEY);
+        if low {
+            req = req.header("x-priority", "low");
+        }
+        let resp = router
+            .oneshot(req.body(Body::from(body)).unwrap())
+            .await
+            .unwrap();
+        let b = resp
+            .headers()
+            .get("x-spillgate-backend")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let status = resp.status().as_u16();
+        let _ = resp.into_body().collect().await;
+        (status, b)
+    })
+}
+
+// A client that goes away while the upstream attempt is in flight gives its reservation back.
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_request_gives_its_reservation_back() {
+    let gw = gateway(
+        &["priority = 1"],
+        "[priority]\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = 1000\nlow_priority_rp10s_threshold = 60\n",
+    );
+    let full = |r: R| {
+        r.header("x-ratelimit-remaining-tokens", "100000")
+            .header("x-ratelimit-limit-tokens", "100000")
+            .header("x-ratelimit-remaining-requests", "100")
+            .header("x-ratelimit-limit-requests", "100")
+    };
+    gw.fake
+        .default("b0", full(ok()).delay(Duration::from_secs(5)));
+    // 50 clients that give up after 100 ms (SDK timeout, user closes the tab...).
+    for _ in 0..50 {
+        let router = gw.router.clone();
+        let req = http::Request::post("/v1/chat/completions")
+            .header("api-key", KEY)
+            .body(Body::from(CHAT))
+            .unwrap();
+        let _ = tokio::time::timeout(Duration::from_millis(100), router.oneshot(req)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    let snap = gw.app.snapshot.load();
+    let dep = snap.backends[0].deployment_state("gpt-4o").unwrap();
+    let cap = dep.capacity();
+    println!(
+        "after 120 s idle: inflight_tokens={} inflight_requests={}",
+        cap.inflight_tokens, cap.inflight_requests
+    );
+    // A fresh observation says the deployment is completely idle and full ...
+    gw.fake.default("b0", full(ok()));
+    let (s, _, _) = gw.chat().await;
+    assert_eq!(s, 200);
+    // ... yet a low-priority request is refused for priority, forever.
+    let (s, body) = spawn_chat(&gw, true, "gpt-4o").await.await.unwrap();
+    println!("low-priority after idle: {s} {body}");
+    assert_eq!(cap.inflight_requests, 0, "reservations leaked");
+}
+
+// A same-backend retry after a slow attempt never waits past the deadline.
+#[tokio::test(start_paused = true)]
+async fn same_backend_waits_never_outlast_the_deadline() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[routing]\ndeadline = \"5s\"\n[retry]\nper_backend = 2\ninterval = \"4s\"\n",
+    );
+    gw.fake.default("b0", st(500).delay(Duration::from_secs(3)));
+    let t0 = Instant::now();
+    let (status, _, body) = gw.chat().await;
+    println!("status {status} after {:?}: {body}", t0.elapsed());
+    assert!(
+        t0.elapsed() <= Duration::from_secs(5),
+        "deadline 5 s, answered after {:?}",
+        t0.elapsed()
+    );
+}
+
+// A same-backend retry does not go to a backend the breaker tripped meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_same_backend_retry_respects_a_trip_in_between() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[circuit_breaker]\nfailures = 2\ntrip = \"60s\"\n[retry]\nper_backend = 4\ninterval = \"1s\"\n",
+    );
+    gw.fake.default("b0", st(500));
+    let (status, headers, _) = gw.chat().await;
+    println!("status {status}, order {:?}", gw.fake.order());
+    let snap = gw.app.snapshot.load();
+    println!(
+        "b0 cooldown: {:?}",
+        snap.backends[0].state.cooldown(gw.app.clock.now_ms())
+    );
+    assert_eq!(
+        gw.fake.hits("b0"),
+        2,
+        "tried again after it tripped; attempts={}",
+        h(&headers, "x-spillgate-attempts")
+    );
+}
+
+// A fallback to another deployment on the same resource is tried in the same request.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_deployment_on_the_same_resource_is_tried() {
+    let gw = gateway(
+        &["deployments = { \"gpt-4o\" = \"chat\", \"gpt-4o-mini\" = \"mini\" }"],
+        "[[routes]]\nmodels = [\"gpt-4o\"]\nbackends = [\"b0\"]\nfallback = [\"gpt-4o-mini\"]\n[[routes]]\nmodels = [\"gpt-4o-mini\"]\nbackends = [\"b0\"]\n",
+    );
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "30")]);
+    let (status, headers, body) = gw.chat().await;
+    println!(
+        "first: {status} model={} {body}; calls {:?}",
+        h(&headers, "x-spillgate-model"),
+        gw.fake
+            .calls()
+            .iter()
+            .map(|c| c.path.clone())
+            .collect::<Vec<_>>()
+    );
+    let (status2, headers2, _) = gw.chat().await;
+    println!(
+        "second: {status2} model={}",
+        h(&headers2, "x-spillgate-model")
+    );
+    assert_eq!(status, 200, "fallback gpt-4o-mini on b0 was available");
+}
+
+// A success of a request sent before the cooldown does not end the recovery: one probe.
+#[tokio::test(start_paused = true)]
+async fn in_flight_successes_do_not_end_a_recovery() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[cooldown]\nmax_jitter = \"0s\"\n",
+    );
+    gw.fake.script(
+        "b0",
+        vec![
+            ok().delay(Duration::from_secs(2)),
+            st(429).header("retry-after", "5"),
+        ],
+    );
+    let a = spawn_chat(&gw, false, "gpt-4o").await;
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (s, _, _) = gw.chat().await; // b0: 429 (cools 5 s), served by b1
+    assert_eq!(s, 200);
+    assert_eq!(a.await.unwrap().1, "b0"); // the slow 200 lands at 2 s, during the cooldown
+    tokio::time::sleep(Duration::from_secs(4)).await; // cooldown over
+    gw.fake.default("b0", ok().delay(Duration::from_secs(2)));
+    let before = gw.fake.hits("b0");
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        tasks.push(spawn_chat(&gw, false, "gpt-4o").await);
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let n = gw.fake.hits("b0") - before;
+    println!("requests sent to b0 when its cooldown ended: {n}");
+    assert_eq!(n, 1, "one probe");
+}
+
+// Admission and reservation are one step: concurrent low-priority requests cannot all take the same free slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn concurrent_low_priority_requests_cannot_share_one_free_slot() {
+    let gw = gateway(
+        &["priority = 1"],
+        "[priority]\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = 0\nlow_priority_rp10s_threshold = 0\n",
+    );
+    let hdr = |r: R| {
+        r.header("x-ratelimit-remaining-tokens", "100000000")
+            .header("x-ratelimit-limit-tokens", "100000000")
+            .header("x-ratelimit-remaining-requests", "10")
+            .header("x-ratelimit-limit-requests", "10")
+            .header("x-ratelimit-reset-requests", "3600")
+    };
+    gw.fake.script("b0", vec![hdr(ok())]);
+    gw.fake
+        .default("b0", hdr(ok()).delay(Duration::from_secs(2)));
+    gw.chat().await; // teaches 10 requests left
+    let before = gw.fake.hits("b0");
+    let mut tasks = Vec::new();
+    for _ in 0..400 {
+        let router = gw.router.clone();
+        tasks.push(tokio::spawn(async move {
+            let req = http::Request::post("/v1/chat/completions")
+                .header("api-key", KEY)
+                .header("x-priority", "low")
+                .body(Body::from(CHAT))
+                .unwrap();
+            router.oneshot(req).await.unwrap().status().as_u16()
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        if t.await.unwrap() == 200 {
+            ok += 1;
+        }
+    }
+    let sent = gw.fake.hits("b0") - before;
+    println!("admitted {sent} low-priority requests against 10 free (200s: {ok})");
+    assert!(sent <= 10);
+}
+
+// `when_all_cooling = "wait"`: waiters behind a probe keep waiting instead of failing.
+#[tokio::test(start_paused = true)]
+async fn waiters_wait_behind_a_probe_instead_of_failing() {
+    let gw = gateway(
+        &["priority = 1"],
+        "[routing]\nwhen_all_cooling = \"wait\"\nmax_wait = \"30s\"\n[cooldown]\nmax_jitter = \"0s\"\n",
+    );
+    gw.fake
+        .script("b0", vec![st(429).header("retry-after", "2")]);
+    assert_eq!(gw.chat().await.0, 429);
+    gw.fake
+        .default("b0", ok().delay(Duration::from_millis(500)));
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..5 {
+        tasks.push(spawn_chat(&gw, false, "gpt-4o").await);
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap().0);
+    }
+    println!("after {:?}: {statuses:?}", t0.elapsed());
+    assert!(statuses.iter().all(|s| *s == 200));
+}
+
+// forward-first does not send a low-priority request past its reserve.
+#[tokio::test(start_paused = true)]
+async fn forward_first_never_lets_low_priority_past_its_reserve() {
+    let gw = gateway(
+        &["priority = 1"],
+        "[routing]\nwhen_all_cooling = \"forward-first\"\n[priority]\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = 50000\nlow_priority_rp10s_threshold = 50\n",
+    );
+    // Observed: nothing to spare for low priority, and the deployment cooling (e.g. a 503).
+    gw.fake.script(
+        "b0",
+        vec![st(503)
+            .header("x-ratelimit-remaining-tokens", "1000")
+            .header("x-ratelimit-limit-tokens", "100000")
+            .header("x-ratelimit-remaining-requests", "5")
+            .header("x-ratelimit-limit-requests", "100")],
+    );
+    gw.chat().await;
+    let before = gw.fake.hits("b0");
+    let (s, _) = spawn_chat(&gw, true, "gpt-4o").await.await.unwrap();
+    println!(
+        "low priority under forward-first: {s}, upstream calls {}",
+        gw.fake.hits("b0") - before
+    );
+    assert_eq!(
+        gw.fake.hits("b0") - before,
+        0,
+        "low priority must not pass admission"
+    );
+}
+
+// A breaker added by hot reload trips.
+#[tokio::test(start_paused = true)]
+async fn a_breaker_added_by_reload_trips() {
+    let gw = gateway(
+        &["priority = 1", "priority = 2"],
+        "[cooldown]\ndefault_5xx = \"0s\"\n",
+    );
+    let text = "[auth]\nclient_keys = [\"env:K\"]\n[cooldown]\ndefault_5xx = \"0s\"\n[circuit_breaker]\nfailures = 3\nwindow = \"10s\"\ntrip = \"30s\"\n[[backends]]\nname = \"b0\"\nkind = \"azure\"\nurl = \"http://b0.test\"\napi_key = \"env:K\"\npriority = 1\n[[backends]]\nname = \"b1\"\nkind = \"azure\"\nurl = \"http://b1.test\"\napi_key = \"env:K\"\npriority = 2\n";
+    let config =
+        spillgate_core::config::load(text, &|_| Some(KEY.to_string()), &|_| Err(String::new()))
+            .unwrap();
+    spillgate::reload::apply_config(&gw.app, config).unwrap();
+    gw.fake.default("b0", st(500));
+    for _ in 0..10 {
+        gw.chat().await;
+    }
+    println!(
+        "b0 hits after 10 requests with a 3-failure breaker: {}",
+        gw.fake.hits("b0")
+    );
+    assert_eq!(gw.fake.hits("b0"), 3);
+}
