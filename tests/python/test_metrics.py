@@ -102,7 +102,7 @@ def test_metrics_after_a_scripted_scenario(stack: Stack) -> None:
     assert value(m, "spillgate_failovers_total", backend="paygo", reason="5xx") == 1
     assert value(m, "spillgate_cooldowns_total", backend="ptu", reason="429") == 1
     assert value(m, "spillgate_cooldowns_total", backend="paygo", reason="5xx") == 1
-    assert value(m, "spillgate_low_priority_requests_total", decision="refused") == 1
+    assert value(m, "spillgate_low_priority_requests_total", decision="refused", model=CHAT_MODEL) == 1
     # ptu is still cooling (30 s): its deployment's gauge shows the seconds left.
     left = value(m, "spillgate_backend_cooldown_seconds", backend="ptu", deployment="gpt4o-ptu")
     assert 20 < left <= 31
