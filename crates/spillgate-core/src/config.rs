@@ -1902,6 +1902,22 @@ trip = "30s"
     }
 
     #[test]
+    fn a_route_retry_block_inherits_what_it_leaves_out() {
+        let text = format!(
+            "{EXAMPLE}\n[retry]\ncondition = [\">=300\"]\nper_backend = 3\ninterval = \"2s\"\n[[routes]]\nmodels = [\"*\"]\nbackends = [\"paygo-canada\"]\n[routes.retry]\ncount = 5\n"
+        );
+        let c = load_with(&text).unwrap();
+        let r = &c.table.routes[0].retry;
+        assert_eq!(r.count, 5, "its own");
+        assert_eq!(r.per_backend, 3, "from [retry]");
+        assert!(
+            r.condition.matches(AttemptResult::Status(404)),
+            "from [retry]"
+        );
+        assert_eq!(r.backoff.interval(), Duration::from_secs(2), "from [retry]");
+    }
+
+    #[test]
     fn route_errors_name_their_paths() {
         let text = format!(
             "{EXAMPLE}\n{}",

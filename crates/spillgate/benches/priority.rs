@@ -133,7 +133,7 @@ async fn run(secs: u64) {
             s.by_backend.get(b).copied().unwrap_or(0)
         })
     };
-    println!(
+    let spill_line = format!(
         "| spill | high 2 req/s + low 20 req/s | {:.2} (ptu {:.2}, paygo {:.2}) | ptu {:.0}% | low refused: {}, high 429s: {} |",
         on("ptu") + on("paygo"),
         on("ptu"),
@@ -141,6 +141,30 @@ async fn run(secs: u64) {
         100.0 * on("ptu") / (500.0 / cost),
         seen.iter().map(|s| s.low_refused).sum::<u64>(),
         seen.iter().map(|s| s.high_429).sum::<u64>()
+    );
+    println!("{spill_line}");
+
+    // Pass-over: high priority only at 2.5x the PTU, no [priority] table.
+    let sim = SimUpstream::new(&[
+        ("ptu", limits(60_000, 600), latency),
+        ("paygo", limits(600_000, 6_000), latency),
+    ]);
+    let (_, router) =
+        spillgate::sim::gateway(sim.clone(), &[("ptu", 1), ("paygo", 2)], "", KEY).unwrap();
+    let seen = drive(router, secs, |_| (25.0, 0.0), body(), KEY).await;
+    let ok: u64 = seen.iter().map(|s| s.high_ok).sum();
+    let (ptu, paygo) = (
+        sim.backend("ptu").unwrap().stats(),
+        sim.backend("paygo").unwrap().stats(),
+    );
+    let attempts = ptu.served + ptu.throttled + paygo.served + paygo.throttled;
+    println!(
+        "| pass-over | high 25 req/s, ptu takes 9.7 | {:.2} (ptu {:.2}) | ptu {:.0}% | {:.4} upstream attempts per success, {} upstream 429s |",
+        ok as f64 / secs as f64,
+        ptu.served as f64 / secs as f64,
+        100.0 * ptu.served as f64 / secs as f64 / capacity,
+        attempts as f64 / ok.max(1) as f64,
+        ptu.throttled + paygo.throttled
     );
 }
 

@@ -317,3 +317,36 @@ async fn requests_in_flight_count_against_the_capacity() {
     .await;
     assert_eq!(total(&seen, |s| s.high_ok), 3);
 }
+
+#[tokio::test(start_paused = true)]
+async fn deployments_that_cannot_take_a_request_are_passed_over_not_tried() {
+    // High-priority traffic at 2.5x the PTU's rate; no [priority] table: the pass-over rule
+    // holds for every request. The PTU should stay as busy as possible while no attempt
+    // is spent on a 429 its headers already predicted.
+    let sim = SimUpstream::new(&[
+        ("ptu", limits(60_000, 600), LATENCY),
+        ("paygo", limits(600_000, 6_000), LATENCY),
+    ]);
+    let (_, router) =
+        spillgate::sim::gateway(sim.clone(), &[("ptu", 1), ("paygo", 2)], "", KEY).unwrap();
+    let secs = 120;
+    let seen = drive(router, secs, |_| (25.0, 0.0), body(), KEY).await;
+    let ok = total(&seen, |s| s.high_ok);
+    let ptu = sim.backend("ptu").unwrap().stats();
+    let paygo = sim.backend("paygo").unwrap().stats();
+    let attempts = ptu.served + ptu.throttled + paygo.served + paygo.throttled;
+    let per_success = attempts as f64 / ok as f64;
+    let ptu_rps = ptu.served as f64 / secs as f64;
+    let ptu_capacity = 1_000.0 / cost() as f64;
+    println!(
+        "pass-over: {per_success:.4} attempts per success ({} upstream 429s); ptu {ptu_rps:.2} req/s of {ptu_capacity:.2}",
+        ptu.throttled + paygo.throttled
+    );
+    assert_eq!(total(&seen, |s| s.high_429 + s.other), 0);
+    assert!(per_success <= 1.001, "{per_success} attempts per success");
+    // As busy as an oracle would keep it: its whole refill rate (plus the initial bucket).
+    assert!(
+        ptu_rps >= 0.98 * ptu_capacity,
+        "ptu {ptu_rps:.2} req/s of {ptu_capacity:.2}"
+    );
+}
