@@ -1168,3 +1168,72 @@ async fn a_breaker_added_by_reload_trips() {
     );
     assert_eq!(gw.fake.hits("b0"), 3);
 }
+
+#[tokio::test(start_paused = true)]
+async fn without_rate_limit_headers_reservations_end_with_the_body() {
+    // The fake sends no x-ratelimit-* headers: each reservation is held until its body
+    // ends, and then given back.
+    let gw = gateway(
+        &["priority = 1"],
+        "[priority]\n[[priority.models]]\nmodels = [\"gpt-4o\"]\nlow_priority_tpm_threshold = 1\nlow_priority_rp10s_threshold = 1\n",
+    );
+    for _ in 0..5 {
+        assert_eq!(gw.chat().await.0, 200);
+    }
+    let snap = gw.app.snapshot.load();
+    let c = snap.backends[0]
+        .deployment_state("gpt-4o")
+        .unwrap()
+        .capacity();
+    assert_eq!((c.inflight_tokens, c.inflight_requests), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn cooldown_ends_are_jittered() {
+    // Ten backends throttled at the same instant with the same Retry-After: their
+    // cooldowns end spread over up to 10% (1 s) after it, not all at once.
+    let specs: Vec<String> = (0..10).map(|i| format!("priority = {}", i + 1)).collect();
+    let refs: Vec<&str> = specs.iter().map(String::as_str).collect();
+    let gw = gateway(&refs, "");
+    for i in 0..10 {
+        gw.fake
+            .script(&format!("b{i}"), vec![st(429).header("retry-after", "10")]);
+    }
+    assert_eq!(gw.chat().await.0, 429);
+    let snap = gw.app.snapshot.load();
+    let now = gw.app.clock.now_ms();
+    let ends: Vec<u64> = snap
+        .backends
+        .iter()
+        .map(|b| b.cooldown_for("gpt-4o", now).unwrap().until_ms - now)
+        .collect();
+    assert!(
+        ends.iter().all(|e| (10_000..=11_000).contains(e)),
+        "{ends:?}"
+    );
+    let distinct: std::collections::BTreeSet<_> = ends.iter().collect();
+    assert!(distinct.len() >= 5, "spread out: {ends:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn inside_a_tier_the_deployment_with_more_headroom_is_preferred() {
+    let gw = gateway(&["priority = 1", "priority = 1"], "");
+    let with = |remaining: &str| {
+        ok().header("x-ratelimit-remaining-tokens", remaining)
+            .header("x-ratelimit-limit-tokens", "100000")
+            .header("x-ratelimit-reset-tokens", "3600")
+    };
+    gw.fake.default("b0", with("5000"));
+    gw.fake.default("b1", with("95000"));
+    // Learn both, then count where traffic goes.
+    while gw.fake.hits("b0") == 0 || gw.fake.hits("b1") == 0 {
+        gw.chat().await;
+    }
+    let (b0, b1) = (gw.fake.hits("b0"), gw.fake.hits("b1"));
+    for _ in 0..400 {
+        gw.chat().await;
+    }
+    let (b0, b1) = (gw.fake.hits("b0") - b0, gw.fake.hits("b1") - b1);
+    // Two weighted draws keep the roomier one unless both land on b0: 3/4 to b1.
+    assert!(b1 > 2 * b0, "b0 {b0}, b1 {b1}");
+}
