@@ -81,7 +81,7 @@ const SIMULATED: [SimBackend; 3] = [
 /// The gateway config for the simulated backends, as a user would write it.
 fn demo_config(listen: SocketAddr, urls: &[String]) -> String {
     let mut text = format!(
-        "[server]\nlisten = \"{listen}\"\n\n[auth]\nclient_keys = [\"env:SPILLGATE_DEMO_CLIENT_KEY\"]\n\n[cooldown]\ndefault_429 = \"1s\"\n"
+        "[server]\nlisten = \"{listen}\"\n\n[admin]\nlisten = \"127.0.0.1:0\"\n\n[auth]\nclient_keys = [\"env:SPILLGATE_DEMO_CLIENT_KEY\"]\n\n[cooldown]\ndefault_429 = \"1s\"\n"
     );
     for (sim, url) in SIMULATED.iter().zip(urls) {
         text.push_str(&format!(
@@ -136,6 +136,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             )
         })?;
     let gw = format!("http://{}", running.addr);
+    let admin = crate::admin::start(Arc::clone(&app)).await?;
 
     println!("spillgate demo: three simulated Azure OpenAI resources and the gateway in front of them.\n");
     println!("  {:<14} {:>8}  {:>9}  url", "backend", "priority", "limit");
@@ -145,7 +146,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             sim.name, sim.priority, sim.rpm
         );
     }
-    println!("\nGateway: {gw}   client key: {client_key}\n");
+    println!("\nGateway: {gw}   client key: {client_key}");
+    if let Some(a) = &admin {
+        println!(
+            "Dashboard: http://{}/   (metrics: http://{}/metrics)\n",
+            a.addr, a.addr
+        );
+    }
     println!("The config it runs (spillgate.toml):\n");
     for line in text.lines() {
         println!("    {line}");
