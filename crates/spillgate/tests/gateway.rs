@@ -145,14 +145,25 @@ fn config_for(
     server: &str,
     extra: &str,
 ) -> spillgate_core::config::Config {
+    let urls: Vec<String> = mocks.iter().map(MockBackend::url).collect();
+    config_at(backends, &urls, server, extra)
+}
+
+/// The gateway config for `backends` at `urls` (backend i at url i).
+fn config_at(
+    backends: &[B],
+    urls: &[String],
+    server: &str,
+    extra: &str,
+) -> spillgate_core::config::Config {
     let mut text = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 4096\n{server}\n[auth]\nclient_keys = [\"env:CLIENT\"]\n{extra}\n"
     );
     for (i, spec) in backends.iter().enumerate() {
         let url = if spec.kind == "openai" {
-            format!("{}/v1", mocks[i].url())
+            format!("{}/v1", urls[i])
         } else {
-            mocks[i].url()
+            urls[i].clone()
         };
         text.push_str(&format!(
             "[[backends]]\nname = \"{}\"\nkind = \"{}\"\nurl = \"{url}\"\npriority = {}\nweight = {}\napi_key = \"env:KEY{i}\"\n",
@@ -1121,8 +1132,8 @@ async fn reload_under_load_keeps_state_and_loses_nothing() {
     let mut b2 = b("p2", 1);
     b2.weight = 3;
     let new_backends = vec![b("p1", 1), b2, b("p3", 1)];
-    let new_mocks = [&env.mocks[0], &env.mocks[1], &p3];
-    let config = config_for_refs(&new_backends, &new_mocks);
+    let urls = vec![env.mocks[0].url(), env.mocks[1].url(), p3.url()];
+    let config = config_at(&new_backends, &urls, "", "");
     let before = done.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(spillgate::reload::apply_config(&app, config).unwrap(), 2);
     // p1 cools, p2 has 3/4 of the rest and p3 1/4: 80 requests leave p3 empty-handed
@@ -1167,29 +1178,6 @@ async fn reload_under_load_keeps_state_and_loses_nothing() {
     assert_eq!(app.snapshot.load().version, 2);
     assert_eq!(env.chat().await.0, 200);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn config_for_refs(backends: &[B], mocks: &[&MockBackend]) -> spillgate_core::config::Config {
-    let urls: Vec<String> = mocks.iter().map(|m| m.url()).collect();
-    let mut text = String::from("[server]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 4096\n[auth]\nclient_keys = [\"env:CLIENT\"]\n");
-    for (i, spec) in backends.iter().enumerate() {
-        text.push_str(&format!(
-            "[[backends]]\nname = \"{}\"\nkind = \"azure\"\nurl = \"{}\"\npriority = {}\nweight = {}\napi_key = \"env:KEY{i}\"\n",
-            spec.name, urls[i], spec.priority, spec.weight
-        ));
-    }
-    spillgate_core::config::load(
-        &text,
-        &|v| match v {
-            "CLIENT" => Some(CLIENT_KEY.to_string()),
-            k => k
-                .strip_prefix("KEY")
-                .and_then(|n| n.parse::<usize>().ok())
-                .map(|n| BACKEND_KEYS[n].to_string()),
-        },
-        &|_| Err(String::new()),
-    )
-    .unwrap()
 }
 
 #[tokio::test]
