@@ -4,7 +4,8 @@
 //! (Azure grants quota per minute and enforces it over windows of a few seconds): a
 //! bucket holds `limit * window / 60 s` and refills continuously. A request costs its
 //! estimated tokens (prompt bytes / 4 plus `max_tokens`, as Azure charges at admission);
-//! over the limit it gets 429 with `Retry-After` / `retry-after-ms`, otherwise 200 with
+//! over the limit it gets 429 with `Retry-After` / `retry-after-ms` at once, otherwise,
+//! after the backend's latency, 200 with
 //! `x-ratelimit-remaining-*`, `-limit-*` and `-reset-*` headers and a `usage` object. Time
 //! is tokio's, so scenarios run with paused time in milliseconds of real time.
 
@@ -118,6 +119,33 @@ impl SimBackend {
             } else {
                 s.throttled += 1;
                 s.per_second[sec].1 += 1;
+            }
+        }
+    }
+
+    /// Whether a request of `tokens` would be served now, without taking anything: what an
+    /// oracle that knows every backend's remaining capacity would ask.
+    pub fn would_admit(&self, deployment: &str, tokens: u64) -> bool {
+        let Some(l) = self.limits else {
+            return true;
+        };
+        let now = Instant::now();
+        let Ok(deps) = self.deployments.lock() else {
+            return true;
+        };
+        match deps.get(deployment) {
+            None => {
+                let (t, r) = (
+                    Bucket::new(l.tpm, l.window, now),
+                    Bucket::new(l.rpm, l.window, now),
+                );
+                t.level >= tokens as f64 && r.level >= 1.0
+            }
+            Some(d) => {
+                let (mut t, mut r) = (d.tokens, d.requests);
+                t.refill(now);
+                r.refill(now);
+                t.level >= tokens as f64 && r.level >= 1.0
             }
         }
     }
@@ -268,15 +296,20 @@ impl Upstream for SimUpstream {
                 .await
                 .map(|c| c.to_bytes())
                 .unwrap_or_default();
-            if b.latency > timeout {
-                tokio::time::sleep(timeout).await;
-                return Err(AttemptError::FirstByteTimeout(timeout));
-            }
-            tokio::time::sleep(b.latency).await;
+            // Azure charges a request when it arrives, then generates: admission first,
+            // the latency after (a 429 comes back at once).
             let now = Instant::now();
             let tokens = request_cost(&body);
             let deployment = deployment_of(&path, &body);
-            let (status, headers, json) = match b.admit(&deployment, tokens, now) {
+            let admitted = b.admit(&deployment, tokens, now);
+            if admitted.is_ok() {
+                if b.latency > timeout {
+                    tokio::time::sleep(timeout).await;
+                    return Err(AttemptError::FirstByteTimeout(timeout));
+                }
+                tokio::time::sleep(b.latency).await;
+            }
+            let (status, headers, json) = match admitted {
                 Ok(h) => {
                     b.record(now, true, tokens);
                     let json = serde_json::json!({
