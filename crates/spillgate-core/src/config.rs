@@ -217,6 +217,8 @@ pub struct FileServer {
     pub max_connections: Option<u64>,
     #[serde(default, with = "humantime_serde")]
     pub drain_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub config_poll: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -446,6 +448,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// On shutdown, how long in-flight requests and streams may take to finish.
     pub drain_timeout: Duration,
+    /// How often the config file is checked for changes; zero: on SIGHUP only.
+    pub config_poll: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -1275,6 +1279,7 @@ fn validate(
             &mut errors,
         ),
         drain_timeout: file.server.drain_timeout.unwrap_or(Duration::from_secs(30)),
+        config_poll: file.server.config_poll.unwrap_or(Duration::from_secs(1)),
     };
 
     // [auth]

@@ -116,16 +116,22 @@ async fn admin_state(State(app): State<Arc<App>>) -> Response {
     Json(state(&app)).into_response()
 }
 
-/// Requires `Authorization: Bearer <token>` when an admin token is configured.
-async fn require_token(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
-    let expected = app.snapshot.load().config.admin.token.clone();
-    if let Some(token) = expected {
+/// Requires `Authorization: Bearer <token>` when an admin token is configured. The token
+/// is the one the listener started with (`[admin]` is read at start only), so a reload
+/// cannot remove it from a listener that is running.
+async fn require_token(
+    State(token): State<Option<[u8; 32]>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Some(expected) = token {
         let presented = req
             .headers()
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .map(|v| v.as_bytes())
+            .and_then(|v| (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| &v[7..]))
             .unwrap_or_default();
-        let ok: bool = sha(presented).ct_eq(&sha(token.expose().as_bytes())).into();
+        let ok: bool = sha(presented).ct_eq(&expected).into();
         if !ok {
             let mut r = (
                 StatusCode::UNAUTHORIZED,
@@ -175,14 +181,19 @@ async fn dashboard() -> Response {
 }
 
 pub fn router(app: Arc<App>) -> Router {
+    let token = app
+        .snapshot
+        .load()
+        .config
+        .admin
+        .token
+        .as_ref()
+        .map(|t| sha(t.expose().as_bytes()));
     // The page carries no data and so needs no token; the data endpoints do.
     let guarded = Router::new()
         .route("/admin/state", get(admin_state))
         .route("/metrics", get(metrics))
-        .layer(middleware::from_fn_with_state(
-            Arc::clone(&app),
-            require_token,
-        ));
+        .layer(middleware::from_fn_with_state(token, require_token));
     Router::new()
         .route("/", get(dashboard))
         .merge(guarded)
@@ -212,6 +223,9 @@ pub async fn start(app: Arc<App>) -> anyhow::Result<Option<RunningAdmin>> {
         )
     })?;
     let addr = listener.local_addr()?;
+    if !addr.ip().is_loopback() && app.snapshot.load().config.admin.token.is_none() {
+        tracing::warn!(%addr, "the admin listener is reachable beyond this host and has no token: set [admin] token");
+    }
     let service = router(app);
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, service).await {

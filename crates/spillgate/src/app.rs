@@ -99,9 +99,15 @@ impl DeploymentStates {
         v
     }
 
-    fn add_names<'a>(&self, names: impl Iterator<Item = &'a str>) {
-        for n in names {
-            let _ = self.get(n);
+    /// A new map for `names`, keeping the live state of names that `self` already tracks.
+    fn carried<'a>(&self, names: impl Iterator<Item = &'a str>) -> DeploymentStates {
+        let old = self.by_name.read().map(|m| m.clone()).unwrap_or_default();
+        let by_name = names
+            .map(|n| (n.to_string(), old.get(n).cloned().unwrap_or_default()))
+            .collect();
+        DeploymentStates {
+            by_name: RwLock::new(by_name),
+            overflow: Arc::new(BackendState::default()),
         }
     }
 }
@@ -215,12 +221,22 @@ impl Snapshot {
                         .iter()
                         .flat_map(|m| m.values().map(String::as_str))
                 };
-                let old = previous.and_then(|p| p.backends.iter().find(|o| o.cfg.name == b.name));
+                // State is kept for a backend that did not change where it points: same
+                // name, kind and URL. A changed deployment map keeps the deployments that
+                // are still configured and drops the others.
+                let old = previous.and_then(|p| {
+                    p.backends.iter().find(|o| {
+                        o.cfg.name == b.name && o.cfg.kind == b.kind && o.cfg.url == b.url
+                    })
+                });
                 let (state, deployments) = match old {
-                    Some(old) => {
-                        old.deployments.add_names(known());
+                    Some(old) if old.cfg.deployments == b.deployments => {
                         (Arc::clone(&old.state), Arc::clone(&old.deployments))
                     }
+                    Some(old) => (
+                        Arc::clone(&old.state),
+                        Arc::new(old.deployments.carried(known())),
+                    ),
                     None => (
                         Arc::new(BackendState::default()),
                         Arc::new(DeploymentStates::with_names(known())),
@@ -286,6 +302,9 @@ pub struct App {
     draining: std::sync::atomic::AtomicBool,
     /// Prometheus metrics; they outlive config reloads.
     pub metrics: crate::metrics::Metrics,
+    /// The live health-check task of each backend, by generation: a task whose
+    /// generation is no longer current stops, so reloads never leave two running.
+    pub health_tasks: Mutex<HashMap<Arc<str>, u64>>,
 }
 
 impl App {
@@ -307,6 +326,7 @@ impl App {
             clock: Clock::new(),
             draining: std::sync::atomic::AtomicBool::new(false),
             metrics: crate::metrics::Metrics::new(),
+            health_tasks: Mutex::new(HashMap::new()),
         }))
     }
 

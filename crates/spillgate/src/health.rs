@@ -19,11 +19,22 @@ pub fn spawn(app: &Arc<App>) {
     let snap = app.snapshot.load();
     for b in &snap.backends {
         if b.cfg.health_check.is_some() {
-            let weak = Arc::downgrade(app);
-            let name = Arc::clone(&b.cfg.name);
-            tokio::spawn(run(weak, name));
+            start(app, &b.cfg.name);
         }
     }
+}
+
+/// Starts the one task for `name`; any older task for it stops at its next check.
+fn start(app: &Arc<App>, name: &Arc<str>) {
+    let generation = match app.health_tasks.lock() {
+        Ok(mut t) => {
+            let g = t.entry(Arc::clone(name)).or_insert(0);
+            *g += 1;
+            *g
+        }
+        Err(_) => return,
+    };
+    tokio::spawn(run(Arc::downgrade(app), Arc::clone(name), generation));
 }
 
 /// After a reload: starts checks for backends that have one now and had none before.
@@ -35,7 +46,7 @@ pub fn spawn_missing(app: &Arc<App>, old: &crate::app::Snapshot) {
             .iter()
             .any(|o| o.cfg.name == b.cfg.name && o.cfg.health_check.is_some());
         if b.cfg.health_check.is_some() && !had {
-            tokio::spawn(run(Arc::downgrade(app), Arc::clone(&b.cfg.name)));
+            start(app, &b.cfg.name);
         }
     }
 }
@@ -65,10 +76,18 @@ fn request(b: &BackendRt) -> Option<http::Request<Full<Bytes>>> {
         .ok()
 }
 
-async fn run(app: Weak<App>, name: Arc<str>) {
+async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
     let mut healthy = true;
     loop {
         let Some(a) = app.upgrade() else { return };
+        let current = a
+            .health_tasks
+            .lock()
+            .map(|t| t.get(&name).copied() == Some(generation))
+            .unwrap_or(false);
+        if !current {
+            return;
+        }
         let snap = a.snapshot.load_full();
         let Some(b) = snap.backends.iter().find(|b| b.cfg.name == name) else {
             return;

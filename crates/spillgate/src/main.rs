@@ -56,7 +56,9 @@ fn init_logging(format: LogFormat, level: &str) -> Result<(), ExitCode> {
     Ok(())
 }
 
-fn read_config(path: &Option<PathBuf>) -> Result<spillgate_core::config::Config, ExitCode> {
+fn read_config(
+    path: &Option<PathBuf>,
+) -> Result<(spillgate_core::config::Config, String), ExitCode> {
     let Some(path) = path else {
         eprintln!("error: --config FILE is required (see README.md, \"Configuration\")");
         return Err(ExitCode::from(2));
@@ -68,20 +70,22 @@ fn read_config(path: &Option<PathBuf>) -> Result<spillgate_core::config::Config,
             return Err(ExitCode::from(2));
         }
     };
-    spillgate::load_config(&text).map_err(|errors| {
-        eprintln!("error: {} is not valid:", path.display());
-        for e in &errors.0 {
-            eprintln!("  {e}");
-        }
-        ExitCode::from(2)
-    })
+    spillgate::load_config(&text)
+        .map(|c| (c, text.clone()))
+        .map_err(|errors| {
+            eprintln!("error: {} is not valid:", path.display());
+            for e in &errors.0 {
+                eprintln!("  {e}");
+            }
+            ExitCode::from(2)
+        })
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command.unwrap_or(Command::Run) {
         Command::Check => match read_config(&cli.config) {
-            Ok(config) => {
+            Ok((config, _)) => {
                 print!("{}", spillgate::check::render(&config));
                 println!("\nconfig OK");
                 ExitCode::SUCCESS
@@ -90,7 +94,7 @@ fn main() -> ExitCode {
         },
         Command::Run => {
             let config_path = cli.config.clone();
-            let config = match read_config(&cli.config) {
+            let (config, loaded_text) = match read_config(&cli.config) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
@@ -105,7 +109,8 @@ fn main() -> ExitCode {
                 let admin = spillgate::admin::start(std::sync::Arc::clone(&app)).await?;
                 let running = spillgate::server::start(std::sync::Arc::clone(&app)).await?;
                 if let Some(path) = &config_path {
-                    spillgate::reload::spawn(&app, path.clone(), std::time::Duration::from_secs(1));
+                    let poll = app.snapshot.load().config.server.config_poll;
+                    spillgate::reload::spawn(&app, path.clone(), poll, Some(&loaded_text));
                 }
                 // Tests and scripts read these lines to find the ports when listening on :0.
                 println!("spillgate listening on http://{}", running.addr);
@@ -115,6 +120,12 @@ fn main() -> ExitCode {
                 tracing::info!(addr = %running.addr, admin = ?admin.as_ref().map(|a| a.addr), "listening");
                 shutdown_signal().await;
                 tracing::info!("shutting down");
+                // A second signal while draining: stop now.
+                tokio::spawn(async {
+                    shutdown_signal().await;
+                    tracing::warn!("second signal: exiting without waiting for the drain");
+                    std::process::exit(130);
+                });
                 running.shutdown().await;
                 if let Some(a) = admin {
                     a.stop();

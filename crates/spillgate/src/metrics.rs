@@ -29,6 +29,9 @@ fn latency_histogram() -> Histogram {
 
 pub struct Metrics {
     registry: Registry,
+    /// Scrapes refill the state gauges from scratch; one at a time, or two scrapes at
+    /// once erase each other's series.
+    render_lock: std::sync::Mutex<()>,
     pub requests: Family<Labels, Counter>,
     pub attempts: Family<Labels, Counter>,
     pub failovers: Family<Labels, Counter>,
@@ -53,6 +56,7 @@ impl Metrics {
         let mut registry = Registry::with_prefix("spillgate");
         let m = Metrics {
             registry: Registry::default(),
+            render_lock: std::sync::Mutex::new(()),
             requests: Family::default(),
             attempts: Family::default(),
             failovers: Family::default(),
@@ -125,6 +129,7 @@ impl Metrics {
 
     /// The exposition text, with the per-backend state read now.
     pub fn render(&self, app: &App) -> String {
+        let _one_at_a_time = self.render_lock.lock();
         let snap = app.snapshot.load();
         let now = app.clock.now_ms();
         self.cooling.clear();
@@ -142,7 +147,16 @@ impl Metrics {
                     ("deployment", "*".to_string()),
                 ])
                 .set(left(&b.state));
+            // Only configured deployment names become label values: a backend without a
+            // map tracks whatever model names clients send.
+            let configured = |dep: &str| match &b.cfg.deployments {
+                Some(map) => map.values().any(|v| v == dep),
+                None => snap.config.table.model_label(dep) != "other",
+            };
             for (dep, st) in b.deployments.all() {
+                if !configured(&dep) {
+                    continue;
+                }
                 let labels = vec![("backend", name.clone()), ("deployment", dep)];
                 self.cooling.get_or_create(&labels).set(left(&st));
                 let (tokens, requests) = st.capacity().available(now);

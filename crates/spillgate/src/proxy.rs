@@ -107,7 +107,11 @@ fn response_headers(upstream: &HeaderMap) -> HeaderMap {
     let tokens = connection_tokens(upstream);
     let mut out = HeaderMap::with_capacity(upstream.len() + 2);
     for (name, value) in upstream {
-        if !is_hop_by_hop(name, &tokens) && !BACKEND_ONLY_HEADERS.contains(&name.as_str()) {
+        if name.as_str() == "x-request-id" {
+            // The gateway's own id is the client's x-request-id; the backend's stays
+            // available for support requests to its provider.
+            out.append("x-upstream-request-id", value.clone());
+        } else if !is_hop_by_hop(name, &tokens) && !BACKEND_ONLY_HEADERS.contains(&name.as_str()) {
             out.append(name.clone(), value.clone());
         }
     }
@@ -273,7 +277,16 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         .into_response();
     };
 
-    let fwd_headers = forward_headers(&parts.headers);
+    let mut fwd_headers = forward_headers(&parts.headers);
+    // The backend sees the gateway's id for the request (the client's own when it sent a
+    // sane one), so the two logs can be matched.
+    if let Some(v) = parts
+        .extensions
+        .get::<crate::server::RequestId>()
+        .and_then(|id| HeaderValue::from_str(&id.0).ok())
+    {
+        fwd_headers.insert("x-request-id", v);
+    }
     let mut guard = DisconnectGuard {
         model: &req.model,
         started,
@@ -774,6 +787,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     // The last attempt's answer when it was the backend's own verdict (a 4xx under a
     // `>=300` policy, say): if the backends run out, the client gets it as it is.
     let mut last_answer: Option<(BackendId, usize, http::Response<Body>)> = None;
+    // A failover is counted when the next attempt starts, not when there is none.
+    let mut pending_failover: Option<(String, String)> = None;
 
     loop {
         if deadline_passed() {
@@ -935,6 +950,14 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             probes,
             mut reservation,
         } = pick;
+        if let Some((from, reason)) = pending_failover.take() {
+            if from != *snap.backends[id].cfg.name {
+                app.metrics
+                    .failovers
+                    .get_or_create(&vec![("backend", from), ("reason", reason)])
+                    .inc();
+            }
+        }
 
         if attempts == 0 {
             // The budget counts requests that reach a backend.
@@ -1074,6 +1097,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     } else {
                         &deployment
                     };
+                    // Counted when a cooldown starts, not when a running one is extended.
+                    let entering = target.cooldown(now).is_none();
                     cool(
                         backend,
                         model,
@@ -1085,13 +1110,15 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         response.as_ref().map(|r| r.status().as_u16()),
                         &mut rng,
                     );
-                    app.metrics
-                        .cooldowns
-                        .get_or_create(&vec![
-                            ("backend", backend.cfg.name.to_string()),
-                            ("reason", reason.as_str().to_string()),
-                        ])
-                        .inc();
+                    if entering {
+                        app.metrics
+                            .cooldowns
+                            .get_or_create(&vec![
+                                ("backend", backend.cfg.name.to_string()),
+                                ("reason", reason.as_str().to_string()),
+                            ])
+                            .inc();
+                    }
                 }
             }
         }
@@ -1114,13 +1141,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             },
             Step::Switch => {
-                app.metrics
-                    .failovers
-                    .get_or_create(&vec![
-                        ("backend", backend.cfg.name.to_string()),
-                        ("reason", outcome_label.clone()),
-                    ])
-                    .inc();
+                pending_failover = Some((backend.cfg.name.to_string(), outcome_label.clone()));
                 failures.push(outcome);
                 match response {
                     Some(r) if !outcome.fails_over() => {

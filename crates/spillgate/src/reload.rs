@@ -37,6 +37,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if o.max_connections != n.max_connections {
         v.push("server.max_connections");
     }
+    if o.drain_timeout != n.drain_timeout {
+        v.push("server.drain_timeout");
+    }
     if o.max_header_bytes != n.max_header_bytes || o.max_headers != n.max_headers {
         v.push("server.max_header_bytes / max_headers");
     }
@@ -91,35 +94,58 @@ fn fingerprint(path: &Path) -> Option<[u8; 32]> {
 }
 
 /// Watches `path` (checked every `interval`, and at once on SIGHUP) for the gateway's
-/// lifetime.
-pub fn spawn(app: &Arc<App>, path: PathBuf, interval: Duration) {
+/// lifetime. `loaded` is the config text the gateway started with: the baseline, so an
+/// edit made while the gateway was starting is not missed.
+pub fn spawn(app: &Arc<App>, path: PathBuf, interval: Duration, loaded: Option<&str>) {
     let weak = Arc::downgrade(app);
-    // The baseline is taken now, not when the task first runs: an edit made in between
-    // must count as a change.
-    let seen = fingerprint(&path);
-    tokio::spawn(watch(weak, path, interval, seen));
+    let seen = match loaded {
+        Some(text) => Some(Sha256::digest(text.as_bytes()).into()),
+        None => fingerprint(&path),
+    };
+    // Registered now, before the task first runs: a SIGHUP must never find no handler
+    // (its default action ends the process).
+    #[cfg(unix)]
+    let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    #[cfg(not(unix))]
+    let hup = None;
+    tokio::spawn(watch(weak, path, interval, seen, hup));
 }
 
-async fn watch(app: Weak<App>, path: PathBuf, interval: Duration, mut seen: Option<[u8; 32]>) {
-    #[cfg(unix)]
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+#[cfg(unix)]
+type Hangup = Option<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+type Hangup = Option<()>;
+
+async fn watch(
+    app: Weak<App>,
+    path: PathBuf,
+    interval: Duration,
+    mut seen: Option<[u8; 32]>,
+    mut hup: Hangup,
+) {
     // The last refused content: an invalid file is reported once, not every second.
     let mut refused: Option<[u8; 32]> = None;
     loop {
+        // A zero interval: no polling, SIGHUP only.
+        let tick = if interval.is_zero() {
+            Duration::from_secs(86_400)
+        } else {
+            interval
+        };
         #[cfg(unix)]
         let forced = match hup.as_mut() {
             Some(h) => tokio::select! {
-                _ = tokio::time::sleep(interval) => false,
+                _ = tokio::time::sleep(tick) => false,
                 _ = h.recv() => true,
             },
             None => {
-                tokio::time::sleep(interval).await;
+                tokio::time::sleep(tick).await;
                 false
             }
         };
         #[cfg(not(unix))]
         let forced = {
-            tokio::time::sleep(interval).await;
+            tokio::time::sleep(tick).await;
             false
         };
         let Some(app) = app.upgrade() else { return };

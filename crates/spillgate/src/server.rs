@@ -26,7 +26,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(crate::proxy::handle)
-        .layer(axum::middleware::from_fn(request_id))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&app),
+            request_id,
+        ))
         .with_state(app)
 }
 
@@ -40,10 +43,18 @@ fn sane_request_id(v: &http::HeaderValue) -> Option<&str> {
     .then_some(s)
 }
 
+/// The gateway's id for a request, in the request's extensions for the proxy to send
+/// upstream.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
 /// Gives every request an id (the client's `x-request-id` when present and sane, else a
-/// new one), carried by every log line of the request and returned in `x-request-id`.
+/// new one), carried by every log line of the request, sent upstream and returned in
+/// `x-request-id`. Also counts the requests the gateway answers before any backend is
+/// involved (401, 400, 404, 408, 413, model lists), which the proxy does not see through.
 async fn request_id(
-    req: axum::extract::Request,
+    State(app): State<Arc<App>>,
+    mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use tracing::Instrument;
@@ -51,8 +62,25 @@ async fn request_id(
         Some(s) => s.to_string(),
         None => format!("{:016x}", fastrand::u64(..)),
     };
+    let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
+    let low = crate::priority::is_low(req.headers(), req.uri().query());
+    req.extensions_mut().insert(RequestId(id.clone()));
     let span = tracing::info_span!("req", request_id = %id);
     let mut resp = next.run(req).instrument(span).await;
+    if !probe && !resp.headers().contains_key(crate::proxy::HEADER_ATTEMPTS) {
+        app.metrics
+            .requests
+            .get_or_create(&vec![
+                ("backend", "-".to_string()),
+                (
+                    "status_class",
+                    crate::metrics::status_class(resp.status().as_u16()),
+                ),
+                ("priority", if low { "low" } else { "high" }.to_string()),
+                ("model", "-".to_string()),
+            ])
+            .inc();
+    }
     if let Ok(v) = http::HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -90,7 +118,11 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
             v
         })
         .collect();
-    let any_ready = snap.backends.iter().any(|b| b.state.is_ready(now));
+    // A backend can serve when the resource and at least one of its deployments are ready.
+    let any_ready = snap.backends.iter().any(|b| {
+        let deps = b.deployments.all();
+        b.state.is_ready(now) && (deps.is_empty() || deps.iter().any(|(_, d)| d.is_ready(now)))
+    });
     let draining = app.draining();
     let status = if draining {
         StatusCode::SERVICE_UNAVAILABLE

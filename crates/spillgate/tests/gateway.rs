@@ -741,7 +741,8 @@ async fn health_and_readiness() {
     assert_eq!(s, 200);
     let v = json(&body);
     assert_eq!(v["ready"], true);
-    assert_eq!(v["any_backend_ready"], true);
+    // Its only deployment is cooling: nothing can serve right now.
+    assert_eq!(v["any_backend_ready"], false);
     assert_eq!(v["backends"][0]["state"], "ready");
     let dep = &v["backends"][0]["deployments"][0];
     assert_eq!(dep["name"], "gpt-4o");
@@ -1206,7 +1207,7 @@ async fn the_config_file_is_watched_and_a_bad_edit_is_reported_once() {
     std::fs::write(&path, text("1")).unwrap();
     let app = App::new(spillgate::load_config(&std::fs::read_to_string(&path).unwrap()).unwrap())
         .unwrap();
-    spillgate::reload::spawn(&app, path.clone(), Duration::from_millis(20));
+    spillgate::reload::spawn(&app, path.clone(), Duration::from_millis(20), None);
     std::fs::write(&path, text("5")).unwrap();
     let mut version = 1;
     for _ in 0..200 {
@@ -1264,18 +1265,43 @@ async fn admin_state_shows_backends_versions_and_needs_its_token() {
     assert_eq!(v["backends"][1]["deployments"][0]["last_status"], 200);
     assert_eq!(v["routes"][0]["tiers"][1]["backends"][0]["name"], "p2");
     assert!(!v.to_string().contains(BACKEND_KEYS[0]));
-    // With a token configured, it is required.
-    let with_token = {
-        let mut c = app.snapshot.load_full().config.clone();
-        c.admin.token = Some(spillgate_core::config::Secret::new("admin-secret".into()));
-        c
+    // With a token configured (at start: [admin] is read once), it is required, on
+    // /metrics too, and a reload cannot take it away from a running listener.
+    let mut with_token = app.snapshot.load_full().config.clone();
+    with_token.admin.token = Some(spillgate_core::config::Secret::new("admin-secret".into()));
+    let guarded = App::new(with_token.clone()).unwrap();
+    let get2 = |path: &'static str, token: Option<&'static str>| {
+        let router = spillgate::admin::router(Arc::clone(&guarded));
+        async move {
+            let mut req = http::Request::get(path);
+            if let Some(t) = token {
+                req = req.header("authorization", format!("bearer {t}"));
+            }
+            let resp =
+                tower::ServiceExt::oneshot(router, req.body(axum::body::Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+            resp.status()
+        }
     };
-    spillgate::reload::apply_config(&app, with_token).unwrap();
-    assert_eq!(get(None).await.0, 401);
-    assert_eq!(get(Some("wrong")).await.0, 401);
-    let (status, body) = get(Some("admin-secret")).await;
-    assert_eq!(status, 200);
-    assert_eq!(json(&body)["config"]["version"], 2);
+    assert_eq!(get2("/admin/state", None).await, 401);
+    assert_eq!(get2("/metrics", Some("wrong")).await, 401);
+    assert_eq!(get2("/admin/state", Some("admin-secret")).await, 200);
+    assert_eq!(get2("/metrics", Some("admin-secret")).await, 200);
+    let router = spillgate::admin::router(Arc::clone(&guarded));
+    let mut without = with_token;
+    without.admin.token = None;
+    spillgate::reload::apply_config(&guarded, without).unwrap();
+    let resp = tower::ServiceExt::oneshot(
+        router,
+        http::Request::get("/admin/state")
+            .body(axum::body::Body::empty())
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 401, "the running listener keeps its token");
+    let _ = get;
 }
 
 #[tokio::test]
