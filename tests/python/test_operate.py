@@ -19,7 +19,12 @@ def admin_state(url: str) -> dict:
 def test_json_logs_with_request_ids_and_sighup_reload(stack: Stack, tmp_path) -> None:
     # Restart the gateway with JSON logs.
     stack.gateway.stop()
-    text = stack.config_path.read_text().replace("[log]\n", '[log]\nformat = "json"\n', 1)
+    # JSON logs, and no polling of the file: only SIGHUP can apply the edit below.
+    text = (
+        stack.config_path.read_text()
+        .replace("[log]\n", '[log]\nformat = "json"\n', 1)
+        .replace("[server]\n", '[server]\nconfig_poll = "0s"\n', 1)
+    )
     stack.config_path.write_text(text)
     gateway = Process(
         [str(stack.spillgate_bin), "--config", str(stack.config_path)],

@@ -219,6 +219,8 @@ pub struct FileServer {
     pub drain_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub config_poll: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub shutdown_delay: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -450,6 +452,9 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// How often the config file is checked for changes; zero: on SIGHUP only.
     pub config_poll: Duration,
+    /// On shutdown, how long to keep accepting (with `/readyz` answering 503) before
+    /// refusing new connections, so load balancers stop sending first.
+    pub shutdown_delay: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -1280,6 +1285,7 @@ fn validate(
         ),
         drain_timeout: file.server.drain_timeout.unwrap_or(Duration::from_secs(30)),
         config_poll: file.server.config_poll.unwrap_or(Duration::from_secs(1)),
+        shutdown_delay: file.server.shutdown_delay.unwrap_or(Duration::ZERO),
     };
 
     // [auth]

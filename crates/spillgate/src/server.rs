@@ -155,6 +155,16 @@ impl Running {
     /// finish for up to `server.drain_timeout`, then closes what is left.
     pub async fn shutdown(self) {
         self.app.start_draining();
+        // Still accepting for a while: load balancers see /readyz turn 503 and stop
+        // sending before connections are refused.
+        let delay = self.app.snapshot.load().config.server.shutdown_delay;
+        if !delay.is_zero() {
+            tracing::info!(
+                delay_ms = delay.as_millis() as u64,
+                "not ready; accepting until the shutdown delay ends"
+            );
+            tokio::time::sleep(delay).await;
+        }
         let _ = self.stop.send(true);
         let _ = self.task.await;
     }

@@ -1335,3 +1335,28 @@ async fn every_response_carries_a_request_id_that_the_log_lines_share() {
     assert!(log.contains(&format!("request_id={generated}")), "{log}");
     assert!(log.contains("request_id=client-abc.123"), "{log}");
 }
+
+#[tokio::test]
+async fn during_the_shutdown_delay_readyz_says_503_before_connections_are_refused() {
+    let env = Env::start_with_server(vec![b("p1", 1)], "shutdown_delay = \"400ms\"").await;
+    let addr = env.gw.addr;
+    let Env { mocks, gw, client } = env;
+    let shutdown = tokio::spawn(gw.shutdown());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Still accepting, and saying it is going away.
+    let resp = client
+        .request(
+            http::Request::get(format!("http://{addr}/readyz"))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    shutdown.await.unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "refused after the delay"
+    );
+    drop(mocks);
+}
