@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# Gateway overhead: the same load, in alternation, against the mock backend directly,
+# nginx as a plain reverse proxy, and spillgate with two tiers, on loopback only.
+#
+#   bench/overhead.sh            # full run (10 s per measurement)
+#   DURATION=3 bench/overhead.sh # shorter
+#   SMOKE=1 bench/overhead.sh    # a few seconds, one case (what test.sh could run)
+#
+# Installs wrk and nginx with apt-get when missing. Prints a markdown table: requests/s,
+# p50 / p99 / p99.9 latency, p99 added over direct, throughput relative to nginx and to
+# direct, and for each proxy its CPU time per request (user+sys of its process over the
+# run) and peak RSS.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+
+DURATION=${DURATION:-10}
+if [[ -n ${SMOKE:-} ]]; then
+    DURATION=2
+fi
+
+need() {
+    if ! command -v "$1" >/dev/null 2>&1; then
+        echo "installing $2" >&2
+        sudo=()
+        [[ $(id -u) -ne 0 ]] && sudo=(sudo -n)
+        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" </dev/null >/dev/null
+    fi
+}
+need wrk wrk
+need nginx nginx-light
+
+cargo build -q --release -p spillgate -p spillgate-mock
+BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
+
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# The start_* functions run in this shell (not in $(...)) so that PIDS keeps every
+# process for cleanup; each sets PORT to where it listens.
+start_mock() { # latency_ms
+    local port; port=$(free_port)
+    "$BIN/spillgate-mock" --listen "127.0.0.1:$port" --name bench --latency-ms "$1" \
+        --stream-chunks 100 --no-record-bodies --no-record-requests >/dev/null 2>"$WORK/mock-$1.log" &
+    PIDS+=($!)
+    PORT=$port
+}
+
+start_nginx() { # backend_port
+    local port; port=$(free_port)
+    mkdir -p "$WORK/nginx-$1"
+    cat >"$WORK/nginx-$1/nginx.conf" <<EOF
+worker_processes auto;
+pid $WORK/nginx-$1/nginx.pid;
+error_log $WORK/nginx-$1/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    upstream backend { server 127.0.0.1:$1; keepalive 256; }
+    server {
+        listen 127.0.0.1:$port;
+        location / {
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }
+    }
+}
+EOF
+    nginx -c "$WORK/nginx-$1/nginx.conf" -p "$WORK/nginx-$1" -g 'daemon off;' >/dev/null 2>&1 &
+    PIDS+=($!)
+    PORT=$port
+}
+
+start_spillgate() { # backend_port
+    local port; port=$(free_port)
+    cat >"$WORK/spillgate-$1.toml" <<EOF
+[server]
+listen = "127.0.0.1:$port"
+max_connections = 20000
+[admin]
+enabled = false
+[auth]
+mode = "none"
+[log]
+level = "warn"
+[[backends]]
+name = "tier1"
+kind = "openai"
+url = "http://127.0.0.1:$1/v1"
+priority = 1
+[[backends]]
+name = "tier2"
+kind = "openai"
+url = "http://127.0.0.1:$1/v1"
+priority = 2
+EOF
+    "$BIN/spillgate" --config "$WORK/spillgate-$1.toml" >/dev/null 2>"$WORK/spillgate-$1.log" &
+    PIDS+=($!)
+    PORT=$port
+}
+
+wait_port() { for _ in $(seq 1 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 did not open" >&2; return 1; }
+
+cat >"$WORK/post.lua" <<'EOF'
+wrk.method = "POST"
+wrk.body = os.getenv("BODY")
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local errors = summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.status + summary.errors.timeout
+  io.write(string.format("RESULT %d %d %.3f %.3f %.3f %d\n", summary.requests, summary.duration,
+    latency:percentile(50) / 1000, latency:percentile(99) / 1000, latency:percentile(99.9) / 1000, errors))
+end
+EOF
+
+JSON='{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}'
+SSE='{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}'
+
+# CPU seconds (user+sys) of a process, and its peak RSS in MB.
+cpu_secs() { awk -v t="$(getconf CLK_TCK)" '{print ($14+$15)/t}' "/proc/$1/stat"; }
+rss_mb() { awk '/VmHWM/ {print $2/1024}' "/proc/$1/status"; }
+pid_on() { ss -ltnp "sport = :$1" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2; }
+
+# measure <url> <body> <connections> [pin] -> "rps p50 p99 p999 errors requests"
+measure() {
+    local pin=()
+    [[ ${4:-} == pin ]] && pin=(taskset -c 0)
+    local out
+    out=$(BODY="$2" "${pin[@]}" wrk -t"$([[ $3 -ge 2 ]] && echo 2 || echo 1)" -c"$3" -d"${DURATION}s" --timeout 10s -s "$WORK/post.lua" "$1" 2>/dev/null | grep '^RESULT')
+    read -r _ req dur p50 p99 p999 err <<<"$out"
+    awk -v r="$req" -v d="$dur" -v a="$p50" -v b="$p99" -v c="$p999" -v e="$err" 'BEGIN {printf "%.0f %.3f %.3f %.3f %d %d\n", r/(d/1e6), a, b, c, e, r}'
+}
+
+echo "| backend latency | body | conns | target | req/s | p50 ms | p99 ms | p99.9 ms | p99 added ms | vs nginx | vs direct | proxy CPU µs/req | proxy peak RSS MB | errors |"
+echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+
+LATENCIES=(0 50)
+BODIES=(json sse)
+CONNS=(64 512)
+if [[ -n ${SMOKE:-} ]]; then LATENCIES=(0); BODIES=(json); CONNS=(64); fi
+
+for lat in "${LATENCIES[@]}"; do
+    start_mock "$lat"; mport=$PORT; wait_port "$mport"
+    start_nginx "$mport"; nport=$PORT; wait_port "$nport"
+    start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
+    npid=$(pgrep -P "${PIDS[-2]}" | tr '\n' ' ')
+    spid=$(pid_on "$sport")
+    for body in "${BODIES[@]}"; do
+        payload=$JSON; [[ $body == sse ]] && payload=$SSE
+        for c in "${CONNS[@]}"; do
+            declare -A R=()
+            # In alternation: direct, nginx, spillgate, one after the other.
+            for target in direct nginx spillgate; do
+                case $target in
+                    direct) url="http://127.0.0.1:$mport/v1/chat/completions"; pids="" ;;
+                    nginx) url="http://127.0.0.1:$nport/v1/chat/completions"; pids=$npid ;;
+                    spillgate) url="http://127.0.0.1:$sport/v1/chat/completions"; pids=$spid ;;
+                esac
+                before=0; for p in $pids; do before=$(awk -v a="$before" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}'); done
+                R[$target]=$(measure "$url" "$payload" "$c")
+                after=0; for p in $pids; do after=$(awk -v a="$after" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}'); done
+                rss=0; for p in $pids; do rss=$(awk -v a="$rss" -v b="$(rss_mb "$p")" 'BEGIN{print a+b}'); done
+                R[$target.cpu]=$(awk -v a="$before" -v b="$after" -v n="$(echo "${R[$target]}" | awk '{print $6}')" 'BEGIN{ if (n>0) printf "%.1f", (b-a)*1e6/n; else print "-" }')
+                R[$target.rss]=$rss
+            done
+            read -r drps _ dp99 _ _ _ <<<"${R[direct]}"
+            read -r nrps _ _ _ _ _ <<<"${R[nginx]}"
+            for target in direct nginx spillgate; do
+                read -r rps p50 p99 p999 err _ <<<"${R[$target]}"
+                added=$(awk -v a="$p99" -v b="$dp99" 'BEGIN{printf "%.3f", a-b}')
+                vsn=$(awk -v a="$rps" -v b="$nrps" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }')
+                vsd=$(awk -v a="$rps" -v b="$drps" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }')
+                cpu="-"; rss="-"
+                if [[ $target != direct ]]; then cpu=${R[$target.cpu]}; rss=$(printf "%.1f" "${R[$target.rss]}"); fi
+                echo "| ${lat} ms | $body | $c | $target | $rps | $p50 | $p99 | $p999 | $added | $vsn | $vsd | $cpu | $rss | $err |"
+            done
+            unset R
+        done
+    done
+    # One connection, load generator pinned to one core: the added-latency floor.
+    if [[ $lat == 0 ]]; then
+        declare -A F=()
+        for target in direct nginx spillgate; do
+            case $target in
+                direct) url="http://127.0.0.1:$mport/v1/chat/completions" ;;
+                nginx) url="http://127.0.0.1:$nport/v1/chat/completions" ;;
+                spillgate) url="http://127.0.0.1:$sport/v1/chat/completions" ;;
+            esac
+            F[$target]=$(measure "$url" "$JSON" 1 pin)
+        done
+        read -r _ _ dp99 _ _ _ <<<"${F[direct]}"
+        for target in direct nginx spillgate; do
+            read -r rps p50 p99 p999 err _ <<<"${F[$target]}"
+            added=$(awk -v a="$p99" -v b="$dp99" 'BEGIN{printf "%.3f", a-b}')
+            echo "| 0 ms | json | 1 (pinned) | $target | $rps | $p50 | $p99 | $p999 | $added | | | | | $err |"
+        done
+        unset F
+    fi
+done
