@@ -49,7 +49,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 start_mock() { # latency_ms
     local port; port=$(free_port)
     "$BIN/spillgate-mock" --listen "127.0.0.1:$port" --name bench --latency-ms "$1" \
-        --stream-chunks 100 --no-record-bodies --no-record-requests >/dev/null 2>"$WORK/mock-$1.log" &
+        --stream-chunks 100 --no-record-requests >/dev/null 2>"$WORK/mock-$1.log" &
     PIDS+=($!)
     PORT=$port
 }

@@ -93,6 +93,7 @@ EXAMPLES = sorted((REPO / "examples").glob("*.toml")) + [REPO / "spillgate.examp
 def test_every_shipped_example_config_is_valid(spillgate_bin: Path) -> None:
     """The files users copy must load: each is checked with its env: variables set."""
     import re
+    import tomllib
 
     assert len(EXAMPLES) >= 4
     for path in EXAMPLES:
@@ -100,4 +101,13 @@ def test_every_shipped_example_config_is_valid(spillgate_bin: Path) -> None:
         env = child_env({var: f"value-of-{var}" for var in re.findall(r'"env:([A-Z0-9_]+)"', text)})
         result = check(spillgate_bin, path, env)
         assert result.returncode == 0, f"{path.name}: {result.stderr}"
-        assert "route" in result.stdout, result.stdout
+        out = result.stdout
+        assert out.rstrip().endswith("config OK"), out
+        # The routing table: at least one route, and every backend of the file in a
+        # route's tier list with its priority and weight.
+        assert re.search(r'^route ".+" for models .+:$', out, re.M), out
+        names = [b["name"] for b in tomllib.loads(text)["backends"]]
+        assert names, path.name
+        for name in names:
+            line = rf"^ +priority \d+ +{re.escape(name)} +weight \d+ "
+            assert re.search(line, out, re.M), f"{path.name}: {name} not routed\n{out}"

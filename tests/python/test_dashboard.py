@@ -40,8 +40,13 @@ def test_dashboard_shows_backends_and_marks_cooling_within_3s(stack: Stack) -> N
             # ptu throttles: the page marks it within 3 s.
             stack.ptu.script([throttled_reply(30)])
             stack.openai().chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "hi"}])
-            row = page.wait_for_selector('tr[data-backend="ptu"][data-state="cooling"]', timeout=3_000)
-            assert row is not None
+            cooling = 'tr[data-backend="ptu"][data-state="cooling"]'
+            page.wait_for_selector(cooling, timeout=3_000)
+            row = page.locator(cooling)
+            # Marked: the row's class colours it, and its state cell says that a
+            # deployment (not the whole resource) is cooling, and why.
+            assert row.get_attribute("class") == "cooling"
+            assert row.locator("td.state").inner_text() == "cooling (deployment)"
             assert "429" in row.inner_text()
             assert page.locator('tr[data-backend="paygo"]').get_attribute("data-state") == "ready"
             # Let the chart draw a few points, then keep a picture of it.

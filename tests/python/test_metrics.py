@@ -118,7 +118,9 @@ def test_metrics_after_a_scripted_scenario(stack: Stack) -> None:
     # Tokens from the responses' usage, per backend and client (the key's variable name).
     tokens = [v for (name, labels), v in m.items() if name == "spillgate_tokens_total" and ("backend", "paygo") in labels]
     assert tokens and tokens[0] > 0
-    # Latency histograms count every answered request.
+    # The time-to-first-byte histogram counts the high-priority requests a backend's
+    # response answered: the failover and the n successes, not the 5xx the gateway
+    # answered itself.
     ttfb = value(m, "spillgate_time_to_first_byte_seconds_count", priority="high")
     assert ttfb == 1 + n
     # Bounded labels: no request ids, no prompts.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import (
     AZURE_API_VERSION,
     CHAT_MODEL,
@@ -49,11 +51,24 @@ def assert_ptu_credential(req: dict, stack: Stack) -> None:
     assert header(req, "authorization") is None
 
 
-# --- OpenAI client, base_url = gateway + /v1 --------------------------------
+# --- Both clients: OpenAI (base_url = gateway + /v1), AzureOpenAI (azure_endpoint
+# = gateway) -------------------------------------------------------------------
+
+# The query ptu gets: an OpenAI-shaped request gets the backend's api-version, an
+# Azure classic one keeps the client's.
+UPSTREAM_QUERY = {
+    "openai": "api-version=2024-10-21",
+    "azure": f"api-version={AZURE_API_VERSION}",
+}
 
 
-def test_openai_chat_completion(stack: Stack) -> None:
-    client = stack.openai()
+def sdk_client(stack: Stack, client_kind: str):
+    return stack.openai() if client_kind == "openai" else stack.azure()
+
+
+@pytest.mark.parametrize("client_kind", ["openai", "azure"])
+def test_chat_completion(stack: Stack, client_kind: str) -> None:
+    client = sdk_client(stack, client_kind)
     raw = client.chat.completions.with_raw_response.create(model=CHAT_MODEL, messages=MESSAGES)
     assert raw.headers["x-spillgate-backend"] == "ptu"
     assert raw.headers["x-spillgate-attempts"] == "1"
@@ -62,11 +77,12 @@ def test_openai_chat_completion(stack: Stack) -> None:
     assert completion.choices[0].finish_reason == "stop"
 
     req = only_request(stack)
-    # OpenAI shape to a (classic) Azure backend: the deployment in the path, the
-    # backend's api-version; the body goes as the SDK sent it.
+    # To a (classic) Azure backend: the deployment in the path, the body as the SDK
+    # sent it. From an OpenAI-shaped request that is a translation; Azure classic in,
+    # Azure classic out, only the deployment name changes.
     assert req["method"] == "POST"
     assert req["path"] == "/openai/deployments/gpt4o-ptu/chat/completions"
-    assert req["query"] == "api-version=2024-10-21"
+    assert req["query"] == UPSTREAM_QUERY[client_kind]
     assert req["deployment"] == PTU_DEPLOYMENTS[CHAT_MODEL] == "gpt4o-ptu"
     body = json.loads(req["body"])
     assert body["model"] == CHAT_MODEL
@@ -74,8 +90,9 @@ def test_openai_chat_completion(stack: Stack) -> None:
     assert_ptu_credential(req, stack)
 
 
-def test_openai_chat_completion_stream(stack: Stack) -> None:
-    client = stack.openai()
+@pytest.mark.parametrize("client_kind", ["openai", "azure"])
+def test_chat_completion_stream(stack: Stack, client_kind: str) -> None:
+    client = sdk_client(stack, client_kind)
     stream = client.chat.completions.create(model=CHAT_MODEL, messages=MESSAGES, stream=True)
     with stream:
         text, finish = collect_stream(stream)
@@ -89,10 +106,14 @@ def test_openai_chat_completion_stream(stack: Stack) -> None:
     assert st["streams_cancelled"] == 0
     req = only_request(stack)
     assert req["path"] == "/openai/deployments/gpt4o-ptu/chat/completions"
+    assert req["query"] == UPSTREAM_QUERY[client_kind]
     body = json.loads(req["body"])
     assert body["model"] == CHAT_MODEL
     assert body["stream"] is True
     assert_ptu_credential(req, stack)
+
+
+# --- OpenAI client, base_url = gateway + /v1 --------------------------------
 
 
 def test_openai_stream_is_passed_through_to_done(stack: Stack) -> None:
@@ -160,41 +181,6 @@ def test_openai_list_models(stack: Stack) -> None:
 
 
 # --- AzureOpenAI client, azure_endpoint = gateway ---------------------------
-
-
-def test_azure_chat_completion(stack: Stack) -> None:
-    client = stack.azure()
-    raw = client.chat.completions.with_raw_response.create(model=CHAT_MODEL, messages=MESSAGES)
-    assert raw.headers["x-spillgate-backend"] == "ptu"
-    assert raw.headers["x-spillgate-attempts"] == "1"
-    completion = raw.parse()
-    assert completion.choices[0].message.content == "Hello from ptu"
-
-    req = only_request(stack)
-    # Azure classic in, Azure classic out: only the deployment name changes.
-    assert req["path"] == "/openai/deployments/gpt4o-ptu/chat/completions"
-    assert req["deployment"] == "gpt4o-ptu"
-    assert f"api-version={AZURE_API_VERSION}" in (req["query"] or "")
-    assert json.loads(req["body"])["messages"] == MESSAGES
-    assert_ptu_credential(req, stack)
-
-
-def test_azure_chat_completion_stream(stack: Stack) -> None:
-    client = stack.azure()
-    stream = client.chat.completions.create(model=CHAT_MODEL, messages=MESSAGES, stream=True)
-    with stream:
-        text, finish = collect_stream(stream)
-    assert text == expected_stream_text("ptu")
-    assert [f for f in finish if f is not None] == ["stop"]
-
-    st = stack.ptu.wait_for(lambda s: s["streams_completed"] == 1)
-    assert st["streams_completed"] == 1
-    assert st["streams_cancelled"] == 0
-    req = only_request(stack)
-    assert req["path"] == "/openai/deployments/gpt4o-ptu/chat/completions"
-    assert f"api-version={AZURE_API_VERSION}" in (req["query"] or "")
-    assert json.loads(req["body"])["stream"] is True
-    assert_ptu_credential(req, stack)
 
 
 def test_azure_embeddings(stack: Stack) -> None:

@@ -168,9 +168,8 @@ pub enum Admission {
     Admit,
     /// The data is stale: this request goes as the probe that refreshes it.
     Probe,
-    /// Not now; the estimate meets the thresholds again in this many milliseconds
-    /// (`None`: unknown, e.g. only a probe will tell).
-    Refuse(Option<u64>),
+    /// Not now; the estimate meets the thresholds again in this many milliseconds.
+    Refuse(u64),
 }
 
 /// Capacity that must stay free for high-priority traffic, per deployment.
@@ -263,6 +262,13 @@ impl Capacity {
         )
     }
 
+    /// Whether a request of `tokens` fits now: one request and its tokens free after
+    /// in-flight reservations. Unknown capacity fits.
+    pub fn covers(&self, tokens: u64, now_ms: u64) -> bool {
+        let (t, r) = self.available(now_ms);
+        t.is_none_or(|t| t >= tokens) && r.is_none_or(|r| r >= 1)
+    }
+
     /// Whether a low-priority request estimated at `tokens` may go to this deployment:
     /// after it, at least `reserve` must remain for high-priority traffic.
     pub fn admit_low(
@@ -307,7 +313,7 @@ impl Capacity {
             _ => None,
         };
         // A probe will be let through once the data is stale, whichever comes first.
-        Admission::Refuse(Some(fit.map_or(until_probe, |f| f.min(until_probe.max(1)))))
+        Admission::Refuse(fit.map_or(until_probe, |f| f.min(until_probe.max(1))))
     }
 
     /// Headroom for choosing between backends: the share of the token limit free now.
@@ -445,7 +451,7 @@ mod tests {
         );
         match c.admit_low(6_000, reserve, &p, false, 1_000) {
             // 1k more tokens needed; the counter refills 65k over 60 s: ~923 ms.
-            Admission::Refuse(Some(ms)) => assert!((900..=1_000).contains(&ms), "{ms}"),
+            Admission::Refuse(ms) => assert!((900..=1_000).contains(&ms), "{ms}"),
             other => panic!("{other:?}"),
         }
         // The request counter gates too.
@@ -458,7 +464,7 @@ mod tests {
         });
         assert!(matches!(
             c.admit_low(10, reserve, &p, false, 1_000),
-            Admission::Refuse(Some(_))
+            Admission::Refuse(_)
         ));
         assert_eq!(
             c.admit_low(10, reserve, &p, false, 3_000),
@@ -493,7 +499,7 @@ mod tests {
         // The refusal says when the next probe may go.
         assert_eq!(
             c.admit_low(100, reserve, &p, false, 5_000),
-            Admission::Refuse(Some(6_000))
+            Admission::Refuse(6_000)
         );
     }
 

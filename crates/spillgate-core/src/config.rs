@@ -501,7 +501,8 @@ pub struct CooldownPolicy {
 pub struct RoutingPolicy {
     pub when_all_cooling: AllCoolingPolicy,
     pub max_wait: Duration,
-    /// Upper bound on upstream attempts for one request; `None` = one per backend.
+    /// Upper bound on upstream attempts for one request; `None` = no bound of its own
+    /// (the pool, the fallbacks and the retry policy bound the attempts).
     pub max_attempts: Option<u32>,
     /// Default overall deadline for one request (all attempts and waits, until the
     /// response headers); routes may set their own.
@@ -1086,9 +1087,7 @@ fn validate_health_check(h: &FileHealthCheck, path: &str, errors: &mut Errors) -
 
 fn validate_pattern(p: &str) -> bool {
     let plain: String = p.chars().filter(|c| *c != '*' && *c != '?').collect();
-    !p.is_empty()
-        && p.len() <= 256
-        && (plain.is_empty() || plain.split('/').all(is_safe_name) || is_safe_name(&plain))
+    !p.is_empty() && p.len() <= 256 && (plain.is_empty() || plain.split('/').all(is_safe_name))
 }
 
 fn validate_routes(
@@ -1546,6 +1545,30 @@ fn validate(
         });
     }
 
+    // Checked before the routes, whose errors end validation early: every mistake in
+    // these sections is reported together with the rest.
+    let priority = file.priority.map(|p| validate_priority(p, &mut errors));
+    let admin = AdminConfig {
+        listen: if file.admin.enabled == Some(false) {
+            None
+        } else {
+            let raw = file.admin.listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN);
+            match raw.parse::<SocketAddr>() {
+                Ok(a) if a == server.listen && a.port() != 0 => {
+                    errors.push("admin.listen", "must differ from server.listen: the admin endpoints never share the public port");
+                    None
+                }
+                Ok(a) => Some(a),
+                Err(_) => {
+                    errors.push("admin.listen", format!("must be an IP address and port such as \"127.0.0.1:9090\", got {raw:?}"));
+                    None
+                }
+            }
+        },
+        token: file.admin.token.as_deref().and_then(|t| {
+            resolve_secret(t, "admin.token", &mut errors, lookup_env, read_file).map(|(_, s)| s)
+        }),
+    };
     let routes = if file.routes.is_empty() {
         vec![Route {
             name: "default".to_string(),
@@ -1577,28 +1600,6 @@ fn validate(
         return Err(ConfigErrors(errors.0));
     }
     let table = Arc::new(table);
-    let priority = file.priority.map(|p| validate_priority(p, &mut errors));
-    let admin = AdminConfig {
-        listen: if file.admin.enabled == Some(false) {
-            None
-        } else {
-            let raw = file.admin.listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN);
-            match raw.parse::<SocketAddr>() {
-                Ok(a) if a == server.listen && a.port() != 0 => {
-                    errors.push("admin.listen", "must differ from server.listen: the admin endpoints never share the public port");
-                    None
-                }
-                Ok(a) => Some(a),
-                Err(_) => {
-                    errors.push("admin.listen", format!("must be an IP address and port such as \"127.0.0.1:9090\", got {raw:?}"));
-                    None
-                }
-            }
-        },
-        token: file.admin.token.as_deref().and_then(|t| {
-            resolve_secret(t, "admin.token", &mut errors, lookup_env, read_file).map(|(_, s)| s)
-        }),
-    };
     if !errors.0.is_empty() {
         return Err(ConfigErrors(errors.0));
     }
@@ -1804,6 +1805,34 @@ url = "ftp://x"
             );
         }
         assert_eq!(m.len(), expect.len(), "{m:#?}");
+    }
+
+    #[test]
+    fn admin_errors_come_with_route_errors() {
+        let text = r#"
+[server]
+listen = "127.0.0.1:8080"
+[auth]
+mode = "none"
+[admin]
+listen = "127.0.0.1:8080"
+[[backends]]
+name = "a"
+kind = "openai"
+url = "http://127.0.0.1:9/v1"
+[[routes]]
+models = ["gpt-4o"]
+backends = [{ name = "missing" }]
+"#;
+        let m = messages(text);
+        assert!(
+            m.iter().any(|x| x.starts_with("admin.listen: must differ")),
+            "{m:#?}"
+        );
+        assert!(
+            m.iter().any(|x| x.starts_with("routes[0].backends[0]")),
+            "{m:#?}"
+        );
     }
 
     #[test]

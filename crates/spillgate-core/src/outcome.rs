@@ -15,8 +15,8 @@ use crate::config::CooldownPolicy;
 pub enum Outcome {
     /// 1xx/2xx/3xx: goes back to the client.
     Success,
-    /// 4xx other than 429: the client's problem; returned as is, not retried, backend
-    /// not cooled.
+    /// 4xx other than 429: the client's problem. Returned as is unless the route's
+    /// retry condition covers it (e.g. `>=300`); never cools a backend.
     ClientError,
     /// 429: the backend is over its limits.
     Throttled,
@@ -37,7 +37,9 @@ impl Outcome {
         }
     }
 
-    /// Whether this outcome cools the backend down and moves the request on.
+    /// Whether the backend failed to serve (429, 5xx, no answer), as opposed to an answer
+    /// to pass on: such an outcome does not end a recovery probe, and its response is not
+    /// the one returned. Retrying is the retry policy's call and cooling `cooldown.on`'s.
     pub fn fails_over(self) -> bool {
         matches!(
             self,

@@ -29,36 +29,11 @@ pub struct Pool {
 }
 
 impl Pool {
-    fn from_members(backends: &[BackendConfig], ids: impl Iterator<Item = BackendId>) -> Pool {
-        let mut by_priority: BTreeMap<u32, Vec<(BackendId, u32)>> = BTreeMap::new();
-        for id in ids {
-            let b = &backends[id];
-            by_priority
-                .entry(b.priority)
-                .or_default()
-                .push((id, b.weight));
-        }
-        Pool {
-            tiers: by_priority
-                .into_iter()
-                .map(|(priority, members)| Tier { priority, members })
-                .collect(),
-        }
-    }
-
     /// Every member, highest tier first, config order inside a tier.
     pub fn members(&self) -> impl Iterator<Item = BackendId> + '_ {
         self.tiers
             .iter()
             .flat_map(|t| t.members.iter().map(|(id, _)| *id))
-    }
-
-    pub fn len(&self) -> usize {
-        self.tiers.iter().map(|t| t.members.len()).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.tiers.is_empty()
     }
 
     /// Picks a backend: the first tier (lowest priority number) that has a usable member
@@ -68,62 +43,62 @@ impl Pool {
         usable: impl Fn(BackendId) -> bool,
         rng: &mut fastrand::Rng,
     ) -> Option<BackendId> {
-        let (members, total) = self.first_usable_tier(&usable)?;
-        draw(&members, total, rng)
+        let (members, total) = self.first_usable_tier(|id| usable(id).then_some(()))?;
+        draw(&members, total, rng).map(|i| members[i].0)
     }
 
     /// Like [`Pool::select`], but inside the winning tier draws two members (by weight)
     /// and keeps the one with the higher `score` (e.g. the share of its token limit still
     /// free): the power of two choices, so throttling is avoided before it happens. With
-    /// an unknown score for either, the first draw stands.
-    pub fn select_scored(
+    /// an unknown score for either, the first draw stands. `eligible` returns what the
+    /// caller found out about a usable member (`None`: not usable); the winner's comes
+    /// back with it.
+    pub fn select_scored<T>(
         &self,
-        usable: impl Fn(BackendId) -> bool,
-        score: impl Fn(BackendId) -> Option<f64>,
+        eligible: impl Fn(BackendId) -> Option<T>,
+        score: impl Fn(&T) -> Option<f64>,
         rng: &mut fastrand::Rng,
-    ) -> Option<BackendId> {
-        let (members, total) = self.first_usable_tier(&usable)?;
+    ) -> Option<(BackendId, T)> {
+        let (mut members, total) = self.first_usable_tier(eligible)?;
         let a = draw(&members, total, rng)?;
         let b = draw(&members, total, rng)?;
-        Some(match (score(a), score(b)) {
+        let pick = match (score(&members[a].2), score(&members[b].2)) {
             (Some(x), Some(y)) if y > x => b,
             _ => a,
-        })
+        };
+        let (id, _, found) = members.swap_remove(pick);
+        Some((id, found))
     }
 
-    /// The usable members of the highest tier that has any, and their total weight.
-    /// `usable` is asked once per member: live state may change between calls, and a
-    /// member seen usable must stay drawable.
-    fn first_usable_tier(
+    /// The usable members of the highest tier that has any (with what `eligible` said of
+    /// each), and their total weight. `eligible` is asked once per member: live state may
+    /// change between calls, and a member seen usable must stay drawable.
+    fn first_usable_tier<T>(
         &self,
-        usable: &impl Fn(BackendId) -> bool,
-    ) -> Option<(Vec<(BackendId, u32)>, u64)> {
+        eligible: impl Fn(BackendId) -> Option<T>,
+    ) -> Option<(Vec<Drawable<T>>, u64)> {
         self.tiers.iter().find_map(|tier| {
-            let members: Vec<(BackendId, u32)> = tier
+            let members: Vec<Drawable<T>> = tier
                 .members
                 .iter()
-                .copied()
-                .filter(|(id, _)| usable(*id))
+                .filter_map(|(id, w)| eligible(*id).map(|t| (*id, *w, t)))
                 .collect();
-            let total: u64 = members.iter().map(|(_, w)| u64::from(*w)).sum();
+            let total: u64 = members.iter().map(|(_, w, _)| u64::from(*w)).sum();
             (total > 0).then_some((members, total))
         })
     }
-
-    /// The first member in config order of the highest tier that passes `usable`: the
-    /// seeds' "send it to the first backend anyway" target.
-    pub fn first(&self, usable: impl Fn(BackendId) -> bool) -> Option<BackendId> {
-        self.members().find(|id| usable(*id))
-    }
 }
 
-/// One of `members`, drawn with probability proportional to its weight.
-fn draw(members: &[(BackendId, u32)], total: u64, rng: &mut fastrand::Rng) -> Option<BackendId> {
+/// A usable member: its id, weight, and what `eligible` said of it.
+type Drawable<T> = (BackendId, u32, T);
+
+/// Index of a member drawn with probability proportional to its weight.
+fn draw<T>(members: &[Drawable<T>], total: u64, rng: &mut fastrand::Rng) -> Option<usize> {
     let mut d = rng.u64(0..total);
-    for (id, w) in members {
+    for (i, (_, w, _)) in members.iter().enumerate() {
         let w = u64::from(*w);
         if d < w {
-            return Some(*id);
+            return Some(i);
         }
         d -= w;
     }
@@ -244,9 +219,11 @@ impl RoutingTable {
         }
     }
 
-    /// The route for `model`: the first route naming it exactly, else the first route
-    /// (in config order) whose glob matches, whose pool has a backend that serves it. A
-    /// route that matches but cannot serve the model does not hide a later one that can.
+    /// The route for `model`: the first route naming it exactly, if its pool has a
+    /// backend that serves it; else the first route (in config order) whose glob matches
+    /// and whose pool serves it. A glob route that matches but cannot serve the model
+    /// does not hide a later one that can; a later route naming the same exact model is
+    /// never consulted.
     pub fn route_for(&self, model: &str, backends: &[BackendConfig]) -> Option<RouteId> {
         let serves = |id: &RouteId| {
             self.routes[*id]
@@ -285,7 +262,12 @@ impl RoutingTable {
 
 /// The pool of the implicit route: every backend with its own priority and weight.
 pub fn pool_of_all(backends: &[BackendConfig]) -> Pool {
-    Pool::from_members(backends, 0..backends.len())
+    let members: Vec<_> = backends
+        .iter()
+        .enumerate()
+        .map(|(id, b)| (id, b.priority, b.weight))
+        .collect();
+    pool_from(&members)
 }
 
 /// A pool from explicit `(backend, priority, weight)` members.
@@ -428,7 +410,8 @@ mod tests {
                     true
                 }
             };
-            assert!(pool.select_scored(usable, |_| None, &mut rng).is_some());
+            let eligible = |id| usable(id).then_some(());
+            assert!(pool.select_scored(eligible, |_| None, &mut rng).is_some());
         }
     }
 
@@ -466,7 +449,6 @@ mod tests {
             }
         );
         assert_eq!(p.members().collect::<Vec<_>>(), vec![1, 0, 2]);
-        assert_eq!(p.len(), 3);
     }
 
     #[test]
@@ -486,7 +468,6 @@ mod tests {
             assert!(s == 1 || s == 2);
         }
         assert_eq!(pool.select(|_| false, &mut rng), None);
-        assert_eq!(pool.first(|id| id != 0), Some(1));
     }
 
     #[test]
@@ -494,17 +475,17 @@ mod tests {
         let bs = vec![backend("full", 1, 1, None), backend("empty", 1, 1, None)];
         let pool = pool_of_all(&bs);
         let mut rng = fastrand::Rng::with_seed(3);
-        let score = |id: BackendId| Some(if id == 0 { 0.9 } else { 0.1 });
+        let score = |id: &BackendId| Some(if *id == 0 { 0.9 } else { 0.1 });
         let n = 10_000;
         let full = (0..n)
-            .filter(|_| pool.select_scored(|_| true, score, &mut rng) == Some(0))
+            .filter(|_| pool.select_scored(Some, score, &mut rng) == Some((0, 0)))
             .count();
         // Two draws pick the roomier one unless both land on the other: 1 - 1/4.
         let share = full as f64 / n as f64;
         assert!((share - 0.75).abs() < 0.02, "share {share}");
         // Unknown scores fall back to plain weighted choice.
         let half = (0..n)
-            .filter(|_| pool.select_scored(|_| true, |_| None, &mut rng) == Some(0))
+            .filter(|_| pool.select_scored(Some, |_| None, &mut rng) == Some((0, 0)))
             .count();
         assert!((half as f64 / n as f64 - 0.5).abs() < 0.02);
     }
@@ -577,7 +558,9 @@ mod tests {
         fn scored_selection_respects_readiness_and_tiers((bs, ready) in arb_pool(), seed in any::<u64>(), scores in prop::collection::vec(prop::option::of(0.0f64..1.0), 10)) {
             let pool = pool_of_all(&bs);
             let mut rng = fastrand::Rng::with_seed(seed);
-            let chosen = pool.select_scored(|id| ready[id], |id| scores[id], &mut rng);
+            let chosen = pool
+                .select_scored(|id| ready[id].then_some(id), |id| scores[*id], &mut rng)
+                .map(|(id, _)| id);
             match chosen {
                 None => prop_assert!(ready.iter().all(|r| !r)),
                 Some(id) => {

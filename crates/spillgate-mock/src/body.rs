@@ -13,7 +13,7 @@ use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
-use crate::openai::{self, Ctx};
+use crate::openai::ChunkFrames;
 use crate::state::{bump, Shared};
 
 /// Body of every response the mock sends.
@@ -63,11 +63,8 @@ impl Body for MockBody {
 
 /// Everything an SSE stream needs, fixed when the response starts.
 pub(crate) struct SsePlan {
-    pub name: String,
-    pub model: String,
-    pub id: u64,
-    pub created: u64,
-    pub body_len: usize,
+    /// The per-stream parts of every frame (id, model, ...).
+    pub frames: ChunkFrames,
     pub chunks: usize,
     pub interval: Duration,
     pub break_after: Option<usize>,
@@ -115,16 +112,6 @@ impl SseBody {
         }
     }
 
-    fn ctx(&self) -> Ctx<'_> {
-        Ctx {
-            name: &self.plan.name,
-            model: &self.plan.model,
-            id: self.plan.id,
-            created: self.plan.created,
-            body_len: self.plan.body_len,
-        }
-    }
-
     /// Wait `interval` unless already waited; `Pending` while waiting.
     fn pause(&mut self, cx: &mut Context<'_>, interval: Duration) -> Poll<()> {
         if self.paused || interval.is_zero() {
@@ -155,18 +142,18 @@ impl SseBody {
                     return Poll::Pending;
                 }
                 let last = i + 1 == self.plan.chunks;
-                let json = openai::chat_chunk(&self.ctx(), i, last);
+                let frame = self.plan.frames.content(&self.shared.greeting, i, last);
                 self.advance(first_phase(&self.plan, i + 1));
-                json.to_string()
+                frame
             }
             Phase::Usage => {
-                let json = openai::chat_usage_chunk(&self.ctx(), self.plan.chunks);
+                let frame = self.plan.frames.usage(self.plan.chunks);
                 self.phase = if self.plan.done {
                     Phase::Done
                 } else {
                     Phase::Finished
                 };
-                json.to_string()
+                frame
             }
             Phase::Done => {
                 self.phase = Phase::Finished;
@@ -197,9 +184,9 @@ impl SseBody {
                 return Poll::Ready(None);
             }
         };
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
-            "data: {frame}\n\n"
-        ))))))
+        // Serializing the frame's plain structs into a `Vec` cannot fail;
+        // should it ever, the stream ends with an error, like a broken one.
+        Poll::Ready(Some(frame.map(Frame::data).map_err(io::Error::other)))
     }
 
     fn advance(&mut self, phase: Phase) {

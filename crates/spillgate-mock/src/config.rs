@@ -2,6 +2,14 @@
 
 use std::time::Duration;
 
+/// Name of a backend when none is given.
+pub const DEFAULT_NAME: &str = "mock";
+
+/// Content chunks of an SSE stream when none are given: the built-in stream
+/// of [`MockConfig::default`], the binary's `--stream-chunks` and a scripted
+/// [`crate::ReplyBody::Stream`] without `chunks`.
+pub const DEFAULT_STREAM_CHUNKS: usize = 10;
+
 /// Configuration of one mock backend.
 #[derive(Clone, Debug)]
 pub struct MockConfig {
@@ -20,17 +28,19 @@ pub struct MockConfig {
     /// If set, a request is answered 401 unless its `api-key` header or its
     /// `Authorization: Bearer` token equals this key.
     pub expect_api_key: Option<String>,
-    /// Keep request bodies in the recorded requests. Benchmarks turn this off
-    /// so that recording costs no more than the headers.
+    /// Keep request bodies in the recorded requests. When off, a record keeps
+    /// the headers and the body's SHA-256 (which is computed either way) but
+    /// an empty body. To keep no records at all, as long benchmark runs need,
+    /// turn recording off with [`crate::MockBackend::set_recording`].
     pub record_bodies: bool,
 }
 
 impl Default for MockConfig {
     fn default() -> Self {
         MockConfig {
-            name: "mock".to_owned(),
+            name: DEFAULT_NAME.to_owned(),
             latency: Duration::ZERO,
-            stream_chunks: 10,
+            stream_chunks: DEFAULT_STREAM_CHUNKS,
             chunk_interval: Duration::ZERO,
             limits: None,
             expect_api_key: None,

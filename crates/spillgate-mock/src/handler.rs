@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 
 use crate::body::{MockBody, SseBody, SsePlan};
 use crate::limiter::Decision;
-use crate::openai::{self, Ctx, Probe, Route};
+use crate::openai::{self, ChunkFrames, Ctx, Probe, Route};
 use crate::reply::{self, Reply, ReplyBody};
 use crate::state::{bump, RecordedRequest, Shared};
 
@@ -287,7 +287,9 @@ fn scripted(shared: &Arc<Shared>, req: &ApiRequest<'_>, reply: &Reply) -> Respon
         ReplyBody::Json { value } => json_response(status, value),
         ReplyBody::Raw { text, content_type } => bytes_response(
             status,
-            content_type.as_deref().unwrap_or(TEXT),
+            content_type
+                .as_deref()
+                .map_or_else(|| HeaderValue::from_static(TEXT), content_type_value),
             Bytes::from(text.clone()),
         ),
         ReplyBody::Stream {
@@ -298,11 +300,12 @@ fn scripted(shared: &Arc<Shared>, req: &ApiRequest<'_>, reply: &Reply) -> Respon
             done,
         } => {
             let plan = SsePlan {
+                frames: chunk_frames(shared, req),
                 chunks: *chunks,
                 interval: Duration::from_millis(*interval_ms),
                 break_after: *break_after,
+                include_usage: req.probe.include_usage(),
                 done: *done,
-                ..sse_plan(shared, req)
             };
             sse_response(shared, status, content_type.as_deref(), plan)
         }
@@ -318,25 +321,29 @@ fn auto(shared: &Arc<Shared>, req: &ApiRequest<'_>, status: StatusCode) -> Respo
         let msg = format!("mock error {}", status.as_u16());
         return json_response(status, &openai::error_body(status.as_u16(), &msg));
     }
+    let operation = req.route.operation.as_str();
+    if operation == "chat/completions" && req.probe.streaming() {
+        let plan = SsePlan {
+            frames: chunk_frames(shared, req),
+            chunks: shared.cfg.stream_chunks,
+            interval: shared.cfg.chunk_interval,
+            break_after: None,
+            include_usage: req.probe.include_usage(),
+            done: true,
+        };
+        return sse_response(shared, status, None, plan);
+    }
     let created = unix_now();
     let ctx = Ctx {
-        name: &shared.cfg.name,
+        greeting: &shared.greeting,
         model: &req.model,
         id: shared.id(),
         created,
         body_len: req.body_len,
     };
-    let value = match req.route.operation.as_str() {
+    let value = match operation {
         "models" if req.parts.method == Method::GET => {
             openai::model_list(created, &shared.cfg.name)
-        }
-        "chat/completions" if req.probe.streaming() => {
-            let plan = SsePlan {
-                chunks: shared.cfg.stream_chunks,
-                interval: shared.cfg.chunk_interval,
-                ..sse_plan(shared, req)
-            };
-            return sse_response(shared, status, None, plan);
         }
         "chat/completions" => openai::chat_completion(&ctx),
         "completions" => openai::completion(&ctx),
@@ -347,19 +354,9 @@ fn auto(shared: &Arc<Shared>, req: &ApiRequest<'_>, status: StatusCode) -> Respo
     json_response(status, &value)
 }
 
-fn sse_plan(shared: &Shared, req: &ApiRequest<'_>) -> SsePlan {
-    SsePlan {
-        name: shared.cfg.name.clone(),
-        model: req.model.clone(),
-        id: shared.id(),
-        created: unix_now(),
-        body_len: req.body_len,
-        chunks: shared.cfg.stream_chunks,
-        interval: shared.cfg.chunk_interval,
-        break_after: None,
-        include_usage: req.probe.include_usage(),
-        done: true,
-    }
+/// The per-stream parts of an SSE response's frames.
+fn chunk_frames(shared: &Shared, req: &ApiRequest<'_>) -> ChunkFrames {
+    ChunkFrames::new(&req.model, shared.id(), unix_now(), req.body_len)
 }
 
 fn sse_response(
@@ -373,31 +370,42 @@ fn sse_response(
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         CONTENT_TYPE,
-        content_type_value(content_type.unwrap_or(EVENT_STREAM)),
+        content_type.map_or_else(
+            || HeaderValue::from_static(EVENT_STREAM),
+            content_type_value,
+        ),
     );
     resp.headers_mut()
         .insert("cache-control", HeaderValue::from_static("no-cache"));
     resp
 }
 
+/// A scripted content type; the built-in ones are `HeaderValue::from_static`.
 fn content_type_value(ct: &str) -> HeaderValue {
     HeaderValue::from_str(ct).unwrap_or_else(|_| HeaderValue::from_static(TEXT))
 }
 
-fn bytes_response(status: StatusCode, content_type: &str, body: Bytes) -> Response<MockBody> {
+fn bytes_response(
+    status: StatusCode,
+    content_type: HeaderValue,
+    body: Bytes,
+) -> Response<MockBody> {
     let mut resp = Response::new(MockBody::full(body));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, content_type_value(content_type));
+    resp.headers_mut().insert(CONTENT_TYPE, content_type);
     resp
+}
+
+fn json_bytes_response(status: StatusCode, body: Vec<u8>) -> Response<MockBody> {
+    bytes_response(status, HeaderValue::from_static(JSON), Bytes::from(body))
 }
 
 fn json_response(status: StatusCode, value: &Value) -> Response<MockBody> {
     match serde_json::to_vec(value) {
-        Ok(bytes) => bytes_response(status, JSON, Bytes::from(bytes)),
+        Ok(bytes) => json_bytes_response(status, bytes),
         Err(err) => bytes_response(
             StatusCode::INTERNAL_SERVER_ERROR,
-            TEXT,
+            HeaderValue::from_static(TEXT),
             Bytes::from(err.to_string()),
         ),
     }
@@ -437,7 +445,7 @@ async fn control(shared: &Shared, req: Request<Incoming>) -> Response<MockBody> 
     let ok = || json_response(StatusCode::OK, &serde_json::json!({"ok": true}));
     let mut resp = match (&parts.method, parts.uri.path()) {
         (&Method::GET, "/_mock/state") => match serde_json::to_vec(&shared.state()) {
-            Ok(bytes) => bytes_response(StatusCode::OK, JSON, Bytes::from(bytes)),
+            Ok(bytes) => json_bytes_response(StatusCode::OK, bytes),
             Err(err) => control_error(StatusCode::INTERNAL_SERVER_ERROR, &err.to_string()),
         },
         (&Method::POST, "/_mock/script") => match serde_json::from_slice::<ScriptBody>(&body) {

@@ -27,7 +27,7 @@ mod reply;
 mod server;
 mod state;
 
-pub use config::{Limits, MockConfig};
+pub use config::{Limits, MockConfig, DEFAULT_NAME, DEFAULT_STREAM_CHUNKS};
 pub use openai::stream_text;
 pub use reply::{Reply, ReplyBody};
 pub use server::MockBackend;

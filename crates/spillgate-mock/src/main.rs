@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use spillgate_mock::{Limits, MockBackend, MockConfig};
+use spillgate_mock::{Limits, MockBackend, MockConfig, DEFAULT_NAME, DEFAULT_STREAM_CHUNKS};
 
 #[derive(Debug, Parser)]
 #[command(name = "spillgate-mock", version, about)]
@@ -21,13 +21,13 @@ struct Args {
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
     /// Backend name, echoed in `x-mock-backend` and in generated content.
-    #[arg(long, default_value = "mock")]
+    #[arg(long, default_value = DEFAULT_NAME)]
     name: String,
     /// Latency added before every answer.
     #[arg(long, default_value_t = 0)]
     latency_ms: u64,
     /// Content chunks in a default SSE stream.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = DEFAULT_STREAM_CHUNKS)]
     stream_chunks: usize,
     /// Pause between SSE chunks.
     #[arg(long, default_value_t = 0)]

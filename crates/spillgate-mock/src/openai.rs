@@ -2,7 +2,8 @@
 //! operation a path names, what a request body asks for, and response bodies
 //! that the official SDKs accept.
 
-use serde::Deserialize;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize, Serializer};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -106,14 +107,30 @@ fn text_tokens(text: &str) -> u64 {
 }
 
 /// The answer of the non-streaming operations.
-pub(crate) fn hello(name: &str) -> String {
+fn hello(name: &str) -> String {
     format!("Hello from {name}")
+}
+
+/// A backend's greeting and its token count. Both depend only on the
+/// backend's name, so they are computed once when the backend starts.
+pub(crate) struct Greeting {
+    pub text: String,
+    pub tokens: u64,
+}
+
+impl Greeting {
+    pub fn new(name: &str) -> Greeting {
+        let text = hello(name);
+        let tokens = text_tokens(&text);
+        Greeting { text, tokens }
+    }
 }
 
 /// Content of SSE chunk `i`. Chunk 0 carries the greeting so that a stream
 /// is attributable to a backend; later chunks carry their index so that a
-/// test can spot lost or reordered chunks.
-pub(crate) fn stream_piece(name: &str, i: usize) -> String {
+/// test can spot lost or reordered chunks. (`ChunkContent` is the same
+/// content without building a string.)
+fn stream_piece(name: &str, i: usize) -> String {
     if i == 0 {
         hello(name)
     } else {
@@ -136,7 +153,7 @@ fn usage(prompt: u64, completion: u64) -> Value {
 
 /// What every generated response needs to know about its request.
 pub(crate) struct Ctx<'a> {
-    pub name: &'a str,
+    pub greeting: &'a Greeting,
     pub model: &'a str,
     pub id: u64,
     pub created: u64,
@@ -144,8 +161,8 @@ pub(crate) struct Ctx<'a> {
 }
 
 pub(crate) fn chat_completion(ctx: &Ctx<'_>) -> Value {
-    let content = hello(ctx.name);
-    let completion = text_tokens(&content);
+    let content = ctx.greeting.text.as_str();
+    let completion = ctx.greeting.tokens;
     json!({
         "id": format!("chatcmpl-mock{}", ctx.id),
         "object": "chat.completion",
@@ -163,8 +180,8 @@ pub(crate) fn chat_completion(ctx: &Ctx<'_>) -> Value {
 }
 
 pub(crate) fn completion(ctx: &Ctx<'_>) -> Value {
-    let text = hello(ctx.name);
-    let completion = text_tokens(&text);
+    let text = ctx.greeting.text.as_str();
+    let completion = ctx.greeting.tokens;
     json!({
         "id": format!("cmpl-mock{}", ctx.id),
         "object": "text_completion",
@@ -176,9 +193,9 @@ pub(crate) fn completion(ctx: &Ctx<'_>) -> Value {
 }
 
 pub(crate) fn response(ctx: &Ctx<'_>) -> Value {
-    let text = hello(ctx.name);
+    let text = ctx.greeting.text.as_str();
     let input = prompt_tokens(ctx.body_len);
-    let output = text_tokens(&text);
+    let output = ctx.greeting.tokens;
     json!({
         "id": format!("resp_mock{}", ctx.id),
         "object": "response",
@@ -264,43 +281,145 @@ pub(crate) fn model_list(created: u64, name: &str) -> Value {
     json!({"object": "list", "data": models})
 }
 
-/// One SSE `chat.completion.chunk` frame's JSON.
-pub(crate) fn chat_chunk(ctx: &Ctx<'_>, i: usize, last: bool) -> Value {
-    let content = stream_piece(ctx.name, i);
-    let delta = if i == 0 {
-        json!({"role": "assistant", "content": content})
-    } else {
-        json!({"content": content})
-    };
-    json!({
-        "id": format!("chatcmpl-mock{}", ctx.id),
-        "object": "chat.completion.chunk",
-        "created": ctx.created,
-        "model": ctx.model,
-        "system_fingerprint": null,
-        "choices": [{
-            "index": 0,
-            "delta": delta,
-            "logprobs": null,
-            "finish_reason": if last { Value::from("stop") } else { Value::Null },
-        }],
-    })
+/// Builds the `data: ...` frames of one SSE stream. What is the same in every
+/// frame (id, model, created, prompt tokens) is fixed when the stream starts,
+/// and each frame is serialized straight into the buffer that goes on the wire.
+///
+/// The JSON is byte for byte what `serde_json::json!` built before (see the
+/// tests). `json!` objects are `BTreeMap`s (serde_json's `preserve_order`
+/// feature is off in this workspace), so their keys came out sorted: the
+/// field order below is alphabetical and must stay so.
+pub(crate) struct ChunkFrames {
+    id: String,
+    model: String,
+    created: u64,
+    prompt_tokens: u64,
+    /// Length of the largest frame so far, to size the next buffer.
+    capacity: usize,
 }
 
-/// The final usage frame sent when the request asked for `include_usage`.
-pub(crate) fn chat_usage_chunk(ctx: &Ctx<'_>, chunks: usize) -> Value {
-    json!({
-        "id": format!("chatcmpl-mock{}", ctx.id),
-        "object": "chat.completion.chunk",
-        "created": ctx.created,
-        "model": ctx.model,
-        "system_fingerprint": null,
-        "choices": [],
-        "usage": usage(
-            prompt_tokens(ctx.body_len),
-            u64::try_from(chunks).unwrap_or(u64::MAX),
-        ),
-    })
+/// A `chat.completion.chunk`: a content chunk (one choice, no usage) or the
+/// final usage chunk (no choices).
+#[derive(Serialize)]
+struct ChunkJson<'a> {
+    choices: &'a [ChoiceJson<'a>],
+    created: u64,
+    id: &'a str,
+    model: &'a str,
+    object: &'static str,
+    /// Always `null`.
+    system_fingerprint: (),
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<UsageJson>,
+}
+
+#[derive(Serialize)]
+struct ChoiceJson<'a> {
+    delta: DeltaJson<'a>,
+    finish_reason: Option<&'static str>,
+    index: u32,
+    /// Always `null`.
+    logprobs: (),
+}
+
+#[derive(Serialize)]
+struct DeltaJson<'a> {
+    content: ChunkContent<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct UsageJson {
+    completion_tokens: u64,
+    prompt_tokens: u64,
+    total_tokens: u64,
+}
+
+/// `stream_piece` without the string: the greeting, or `" {i}"` written
+/// straight into the output.
+enum ChunkContent<'a> {
+    Greeting(&'a str),
+    Index(usize),
+}
+
+impl Serialize for ChunkContent<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            ChunkContent::Greeting(text) => serializer.serialize_str(text),
+            ChunkContent::Index(i) => serializer.collect_str(&format_args!(" {i}")),
+        }
+    }
+}
+
+const SSE_PREFIX: &[u8] = b"data: ";
+const SSE_SUFFIX: &[u8] = b"\n\n";
+
+impl ChunkFrames {
+    pub fn new(model: &str, id: u64, created: u64, body_len: usize) -> ChunkFrames {
+        ChunkFrames {
+            id: format!("chatcmpl-mock{id}"),
+            model: model.to_owned(),
+            created,
+            prompt_tokens: prompt_tokens(body_len),
+            capacity: 256,
+        }
+    }
+
+    /// The frame of content chunk `i`; `last` adds `finish_reason: "stop"`.
+    pub fn content(
+        &mut self,
+        greeting: &Greeting,
+        i: usize,
+        last: bool,
+    ) -> serde_json::Result<Bytes> {
+        let (content, role) = if i == 0 {
+            (ChunkContent::Greeting(&greeting.text), Some("assistant"))
+        } else {
+            (ChunkContent::Index(i), None)
+        };
+        let choice = ChoiceJson {
+            delta: DeltaJson { content, role },
+            finish_reason: last.then_some("stop"),
+            index: 0,
+            logprobs: (),
+        };
+        self.frame(std::slice::from_ref(&choice), None)
+    }
+
+    /// The usage frame sent after `chunks` content chunks when the request
+    /// asked for `include_usage`.
+    pub fn usage(&mut self, chunks: usize) -> serde_json::Result<Bytes> {
+        let completion_tokens = u64::try_from(chunks).unwrap_or(u64::MAX);
+        let usage = UsageJson {
+            completion_tokens,
+            prompt_tokens: self.prompt_tokens,
+            total_tokens: self.prompt_tokens.saturating_add(completion_tokens),
+        };
+        self.frame(&[], Some(usage))
+    }
+
+    fn frame(
+        &mut self,
+        choices: &[ChoiceJson<'_>],
+        usage: Option<UsageJson>,
+    ) -> serde_json::Result<Bytes> {
+        let chunk = ChunkJson {
+            choices,
+            created: self.created,
+            id: &self.id,
+            model: &self.model,
+            object: "chat.completion.chunk",
+            system_fingerprint: (),
+            usage,
+        };
+        let mut buf = Vec::with_capacity(self.capacity);
+        buf.extend_from_slice(SSE_PREFIX);
+        serde_json::to_writer(&mut buf, &chunk)?;
+        buf.extend_from_slice(SSE_SUFFIX);
+        self.capacity = self.capacity.max(buf.len());
+        Ok(Bytes::from(buf))
+    }
 }
 
 /// Azure-shaped error body for an error status.
@@ -389,6 +508,107 @@ mod tests {
         assert_eq!(embedding_inputs(Some(&json!([1, 2, 3]))).len(), 1);
         assert_eq!(embedding_inputs(Some(&json!([[1], [2]]))).len(), 2);
         assert_eq!(embedding_inputs(None).len(), 1);
+    }
+
+    /// The frames as they were built before `ChunkFrames`: a `json!` tree per
+    /// chunk, then `to_string()` and `format!`.
+    fn json_chunk_frame(
+        name: &str,
+        model: &str,
+        id: u64,
+        created: u64,
+        i: usize,
+        last: bool,
+    ) -> String {
+        let content = stream_piece(name, i);
+        let delta = if i == 0 {
+            json!({"role": "assistant", "content": content})
+        } else {
+            json!({"content": content})
+        };
+        let frame = json!({
+            "id": format!("chatcmpl-mock{id}"),
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": null,
+            "choices": [{
+                "index": 0,
+                "delta": delta,
+                "logprobs": null,
+                "finish_reason": if last { Value::from("stop") } else { Value::Null },
+            }],
+        });
+        format!("data: {frame}\n\n")
+    }
+
+    fn json_usage_frame(
+        model: &str,
+        id: u64,
+        created: u64,
+        body_len: usize,
+        chunks: usize,
+    ) -> String {
+        let frame = json!({
+            "id": format!("chatcmpl-mock{id}"),
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": null,
+            "choices": [],
+            "usage": usage(
+                prompt_tokens(body_len),
+                u64::try_from(chunks).unwrap_or(u64::MAX),
+            ),
+        });
+        format!("data: {frame}\n\n")
+    }
+
+    #[test]
+    fn chunk_frames_match_the_json_macro_bytes() {
+        let cases = [
+            ("b1", "gpt-4o", 1, 1_700_000_000, 0, 4),
+            ("b1", "gpt-4o", 1, 1_700_000_000, 5, 0),
+            // Names and models that need escaping, and large numbers.
+            (
+                "na\"me\\ é\n",
+                "m\u{1}\"x",
+                u64::MAX,
+                u64::MAX,
+                123_456,
+                usize::MAX,
+            ),
+            ("", "", 0, 0, 3, 1),
+        ];
+        for (name, model, id, created, body_len, chunks) in cases {
+            let greeting = Greeting::new(name);
+            let mut frames = ChunkFrames::new(model, id, created, body_len);
+            for (i, last) in [
+                (0, false),
+                (0, true),
+                (1, false),
+                (9, true),
+                (12_345, false),
+            ] {
+                let got = frames.content(&greeting, i, last).unwrap();
+                let want = json_chunk_frame(name, model, id, created, i, last);
+                assert_eq!(
+                    std::str::from_utf8(&got).unwrap(),
+                    want,
+                    "chunk {i} last={last}"
+                );
+            }
+            let got = frames.usage(chunks).unwrap();
+            let want = json_usage_frame(model, id, created, body_len, chunks);
+            assert_eq!(std::str::from_utf8(&got).unwrap(), want, "usage");
+        }
+    }
+
+    #[test]
+    fn greeting_is_hello_and_its_tokens() {
+        let g = Greeting::new("alpha");
+        assert_eq!(g.text, "Hello from alpha");
+        assert_eq!(g.tokens, text_tokens("Hello from alpha"));
     }
 
     #[test]

@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::config::DEFAULT_STREAM_CHUNKS;
+
 /// One reply the mock sends for one API request.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
@@ -54,9 +56,12 @@ pub enum ReplyBody {
     /// apart, then a usage frame when the request asked for
     /// `stream_options.include_usage`, then `data: [DONE]` when `done`.
     ///
-    /// With `break_after = Some(k)` the server sends `k` chunks and then
-    /// aborts the connection (no finishing chunk, no usage, no `[DONE]`, no
-    /// terminating HTTP chunk) so that the client sees an incomplete body.
+    /// With `break_after = Some(k)` the server sends `min(k, chunks)` chunks
+    /// and then aborts the connection (no usage, no `[DONE]`, no terminating
+    /// HTTP chunk) so that the client sees an incomplete body. With
+    /// `k < chunks` no chunk carries `finish_reason: "stop"`; with
+    /// `k >= chunks` every chunk goes out and the last one does carry it, so
+    /// only what follows the content is missing.
     /// `content_type` defaults to `text/event-stream`.
     Stream {
         #[serde(default = "default_chunks")]
@@ -73,7 +78,7 @@ pub enum ReplyBody {
 }
 
 fn default_chunks() -> usize {
-    10
+    DEFAULT_STREAM_CHUNKS
 }
 
 fn default_true() -> bool {

@@ -1,8 +1,12 @@
 //! State shared between the request handlers and the [`crate::MockBackend`]
 //! handle: counters, recorded requests, the reply script and the limiter.
 //!
-//! Locks are plain `std` mutexes held only for a push or a pop, never across
-//! an await, so that the mock stays cheap under benchmark load.
+//! Locks are plain `std` mutexes, never held across an await. On the request
+//! path each is held only briefly (a push to the request log, a pop from the
+//! script or a clone of the default reply, a limiter window update), so that
+//! the mock stays cheap under benchmark load. Reading the log (`requests()`,
+//! `state()`) clones all of it under the lock, which blocks recording for that
+//! long; long benchmark runs turn recording off.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::MockConfig;
 use crate::limiter::Limiter;
+use crate::openai::Greeting;
 use crate::reply::Reply;
 
 /// One request as the mock received it.
@@ -121,18 +126,29 @@ pub(crate) fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Replies that replace the built-in behaviour. One lock for both, so that a
+/// request takes one lock to find its reply.
+#[derive(Default)]
+pub(crate) struct Overrides {
+    /// Scripted replies, used once each, in order.
+    script: VecDeque<Reply>,
+    /// Used when the script is empty, until replaced.
+    default_reply: Option<Arc<Reply>>,
+}
+
 pub(crate) struct Shared {
     pub cfg: MockConfig,
     /// `x-mock-backend` value, built once rather than per response.
     pub backend_header: HeaderValue,
+    /// The generated content, fixed by the name.
+    pub greeting: Greeting,
     pub counters: Counters,
     /// Source of unique response ids.
     pub next_id: AtomicU64,
     pub requests: Mutex<RequestLog>,
     /// Whether API requests are recorded at all (see `MockBackend::set_recording`).
     pub recording: AtomicBool,
-    pub script: Mutex<VecDeque<Reply>>,
-    pub default_reply: Mutex<Option<Arc<Reply>>>,
+    pub overrides: Mutex<Overrides>,
     pub limiter: Option<Limiter>,
 }
 
@@ -143,13 +159,13 @@ impl Shared {
             HeaderValue::from_str(&cfg.name).unwrap_or_else(|_| HeaderValue::from_static("mock"));
         Shared {
             backend_header,
+            greeting: Greeting::new(&cfg.name),
             cfg,
             counters: Counters::default(),
             next_id: AtomicU64::new(1),
             requests: Mutex::new(RequestLog::default()),
             recording: AtomicBool::new(true),
-            script: Mutex::new(VecDeque::new()),
-            default_reply: Mutex::new(None),
+            overrides: Mutex::new(Overrides::default()),
             limiter,
         }
     }
@@ -165,18 +181,20 @@ impl Shared {
     /// The reply that overrides the built-in behaviour for the next request:
     /// the head of the script, else the default reply.
     pub fn next_override(&self) -> Option<Arc<Reply>> {
-        if let Some(reply) = lock(&self.script).pop_front() {
+        let mut overrides = lock(&self.overrides);
+        if let Some(reply) = overrides.script.pop_front() {
+            drop(overrides);
             return Some(Arc::new(reply));
         }
-        lock(&self.default_reply).clone()
+        overrides.default_reply.clone()
     }
 
     pub fn push_script(&self, replies: Vec<Reply>) {
-        lock(&self.script).extend(replies);
+        lock(&self.overrides).script.extend(replies);
     }
 
     pub fn set_default(&self, reply: Option<Reply>) {
-        *lock(&self.default_reply) = reply.map(Arc::new);
+        lock(&self.overrides).default_reply = reply.map(Arc::new);
     }
 
     pub fn record(&self, req: RecordedRequest) {
@@ -210,8 +228,7 @@ impl Shared {
     pub fn reset(&self) {
         self.counters.reset();
         lock(&self.requests).clear();
-        lock(&self.script).clear();
-        *lock(&self.default_reply) = None;
+        *lock(&self.overrides) = Overrides::default();
         if let Some(limiter) = &self.limiter {
             limiter.reset();
         }

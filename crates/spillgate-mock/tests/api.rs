@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::{eventually, get, post, read_until_end, send, sse_data, start};
 use http::{Method, StatusCode};
+use hyper::body::Incoming;
 use serde_json::{json, Value};
 use spillgate_mock::{stream_text, Limits, MockBackend, MockConfig, Reply, ReplyBody};
 
@@ -16,8 +17,38 @@ fn chat(model: &str) -> Value {
     json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})
 }
 
+/// `chat(model)` asking for a stream.
+fn stream_chat(model: &str) -> Value {
+    let mut body = chat(model);
+    body["stream"] = json!(true);
+    body
+}
+
+async fn backend_with(cfg: MockConfig) -> MockBackend {
+    MockBackend::start(cfg).await.unwrap()
+}
+
 async fn backend(name: &str) -> MockBackend {
-    MockBackend::start(MockConfig::named(name)).await.unwrap()
+    backend_with(MockConfig::named(name)).await
+}
+
+/// A backend whose default stream lasts about 5 s (1000 chunks, 5 ms apart),
+/// and a stream from it whose response head has arrived.
+async fn slow_stream() -> (MockBackend, http::Response<Incoming>) {
+    let b = backend_with(MockConfig {
+        stream_chunks: 1000,
+        chunk_interval: Duration::from_millis(5),
+        ..MockConfig::default()
+    })
+    .await;
+    let resp = start(
+        Method::POST,
+        &format!("{}/v1/chat/completions", b.url()),
+        &[],
+        &stream_chat("m").to_string(),
+    )
+    .await;
+    (b, resp)
 }
 
 #[tokio::test]
@@ -151,17 +182,18 @@ async fn other_operations() {
 
 #[tokio::test]
 async fn default_stream_has_chunks_and_done() {
-    let b = MockBackend::start(MockConfig {
+    let b = backend_with(MockConfig {
         name: "s".into(),
         stream_chunks: 4,
         chunk_interval: Duration::from_millis(1),
         ..MockConfig::default()
     })
-    .await
-    .unwrap();
-    let mut body = chat("gpt-4o");
-    body["stream"] = json!(true);
-    let r = post(&format!("{}/v1/chat/completions", b.url()), &body).await;
+    .await;
+    let r = post(
+        &format!("{}/v1/chat/completions", b.url()),
+        &stream_chat("gpt-4o"),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
     assert_eq!(r.header("x-mock-backend"), Some("s"));
@@ -195,14 +227,12 @@ fn c_has_no_usage(chunks: &[Value]) -> bool {
 
 #[tokio::test]
 async fn include_usage_adds_a_usage_frame() {
-    let b = MockBackend::start(MockConfig {
+    let b = backend_with(MockConfig {
         stream_chunks: 2,
         ..MockConfig::default()
     })
-    .await
-    .unwrap();
-    let mut body = chat("m");
-    body["stream"] = json!(true);
+    .await;
+    let mut body = stream_chat("m");
     body["stream_options"] = json!({"include_usage": true});
     let r = post(&format!("{}/v1/chat/completions", b.url()), &body).await;
     let frames = sse_data(&r.text());
@@ -269,7 +299,7 @@ async fn script_runs_in_order_then_default() {
 
 #[tokio::test]
 async fn limiter_answers_429_with_azure_headers() {
-    let b = MockBackend::start(MockConfig {
+    let b = backend_with(MockConfig {
         name: "lim".into(),
         // 12 rpm over 10 s windows: 2 requests per window.
         limits: Some(Limits {
@@ -279,8 +309,7 @@ async fn limiter_answers_429_with_azure_headers() {
         }),
         ..MockConfig::default()
     })
-    .await
-    .unwrap();
+    .await;
     let url = format!("{}/v1/chat/completions", b.url());
     let r = post(&url, &chat("a")).await;
     assert_eq!(r.status, StatusCode::OK);
@@ -317,7 +346,7 @@ async fn limiter_answers_429_with_azure_headers() {
 
 #[tokio::test]
 async fn limiter_counts_tokens() {
-    let b = MockBackend::start(MockConfig {
+    let b = backend_with(MockConfig {
         // 600 tpm over 10 s: 100 tokens per window.
         limits: Some(Limits {
             rpm: 1000,
@@ -326,8 +355,7 @@ async fn limiter_counts_tokens() {
         }),
         ..MockConfig::default()
     })
-    .await
-    .unwrap();
+    .await;
     let url = format!("{}/v1/chat/completions", b.url());
     let mut body = chat("t");
     body["max_tokens"] = json!(60);
@@ -392,22 +420,7 @@ async fn scripted_stream_without_done() {
 
 #[tokio::test]
 async fn client_going_away_cancels_the_stream() {
-    let b = MockBackend::start(MockConfig {
-        stream_chunks: 1000,
-        chunk_interval: Duration::from_millis(5),
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let mut body = chat("m");
-    body["stream"] = json!(true);
-    let resp = start(
-        Method::POST,
-        &format!("{}/v1/chat/completions", b.url()),
-        &[],
-        &body.to_string(),
-    )
-    .await;
+    let (b, resp) = slow_stream().await;
     let mut body = resp.into_body();
     let first = http_body_util::BodyExt::frame(&mut body).await;
     assert!(first.is_some());
@@ -423,12 +436,11 @@ async fn client_going_away_cancels_the_stream() {
 
 #[tokio::test]
 async fn wrong_api_key_gets_401() {
-    let b = MockBackend::start(MockConfig {
+    let b = backend_with(MockConfig {
         expect_api_key: Some("k1".into()),
         ..MockConfig::default()
     })
-    .await
-    .unwrap();
+    .await;
     let url = format!("{}/openai/deployments/d/chat/completions", b.url());
     let body = chat("m").to_string();
     let r = send(Method::POST, &url, &[], &body).await;
@@ -502,12 +514,11 @@ async fn control_api_over_http() {
 
 #[tokio::test]
 async fn record_bodies_off_keeps_the_hash() {
-    let b = MockBackend::start(MockConfig {
+    let b = backend_with(MockConfig {
         record_bodies: false,
         ..MockConfig::default()
     })
-    .await
-    .unwrap();
+    .await;
     post(&format!("{}/v1/chat/completions", b.url()), &chat("m")).await;
     let req = &b.requests()[0];
     assert!(req.body.is_empty());
@@ -527,12 +538,11 @@ async fn record_bodies_off_keeps_the_hash() {
 
 #[tokio::test]
 async fn latency_and_delay_are_applied() {
-    let b = MockBackend::start(MockConfig {
+    let b = backend_with(MockConfig {
         latency: Duration::from_millis(30),
         ..MockConfig::default()
     })
-    .await
-    .unwrap();
+    .await;
     b.push_script(vec![Reply::status(0).with_delay_ms(30)]);
     let url = format!("{}/v1/chat/completions", b.url());
     let t = std::time::Instant::now();
@@ -577,22 +587,7 @@ async fn shutdown_stops_serving() {
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
 
     // Dropping a backend also stops it, including streams in progress.
-    let b = MockBackend::start(MockConfig {
-        stream_chunks: 1000,
-        chunk_interval: Duration::from_millis(5),
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let mut body = chat("m");
-    body["stream"] = json!(true);
-    let resp = start(
-        Method::POST,
-        &format!("{}/v1/chat/completions", b.url()),
-        &[],
-        &body.to_string(),
-    )
-    .await;
+    let (b, resp) = slow_stream().await;
     drop(b);
     let (data, errored) = tokio::time::timeout(Duration::from_secs(5), read_until_end(resp))
         .await

@@ -15,12 +15,12 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use spillgate::sim::{drive, Second, SimLimits, SimUpstream};
+use spillgate::sim::{drive, longest_zero_run, Second, SimLimits, SimUpstream};
 
 const KEY: &str = "bench-key";
 
 fn body() -> Bytes {
-    Bytes::from_static(br#"{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}"#)
+    Bytes::from_static(spillgate::sim::SAMPLE_CHAT)
 }
 
 fn gateway(
@@ -40,29 +40,12 @@ fn gateway(
 }
 
 fn limits(tpm: u64, rpm: u64) -> Option<SimLimits> {
-    Some(SimLimits {
-        tpm,
-        rpm,
-        window: Duration::from_secs(10),
-    })
+    Some(SimLimits::per_minute(tpm, rpm))
 }
 
 fn rate(seen: &[Second], from: usize, to: usize, f: impl Fn(&Second) -> u64) -> f64 {
     let to = to.min(seen.len());
     seen[from..to].iter().map(f).sum::<u64>() as f64 / (to - from).max(1) as f64
-}
-
-fn longest_zero(seen: &[Second], from: usize, f: impl Fn(&Second) -> u64) -> usize {
-    let (mut best, mut run) = (0, 0);
-    for s in &seen[from..seen.len().saturating_sub(1)] {
-        if f(s) == 0 {
-            run += 1;
-            best = best.max(run);
-        } else {
-            run = 0;
-        }
-    }
-    best
 }
 
 async fn run(secs: u64) {
@@ -87,7 +70,7 @@ async fn run(secs: u64) {
         "| single priority | low only, 20 req/s offered | {low:.2} | {:.0}% ({:.0}% of limit - reserve) | longest second-run with nothing served: {} s; backend 429s: {} |",
         100.0 * low / capacity,
         100.0 * low / (capacity * 0.7),
-        longest_zero(&seen, 10, |s| s.low_ok),
+        longest_zero_run(&seen, 10, |s| s.low_ok),
         sim.backend("ptu").unwrap().stats().throttled
     );
 

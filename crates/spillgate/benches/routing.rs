@@ -40,23 +40,13 @@ const BACKENDS: [(&str, u32, u64); 3] = [
 const LATENCY: Duration = Duration::from_millis(200);
 
 fn body() -> Bytes {
-    Bytes::from_static(br#"{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}"#)
+    Bytes::from_static(spillgate::sim::SAMPLE_CHAT)
 }
 
 fn sim() -> SimUpstream {
     let specs: Vec<_> = BACKENDS
         .iter()
-        .map(|(n, _, tpm)| {
-            (
-                *n,
-                Some(SimLimits {
-                    tpm: *tpm,
-                    rpm: tpm / 100,
-                    window: Duration::from_secs(10),
-                }),
-                LATENCY,
-            )
-        })
+        .map(|(n, _, tpm)| (*n, Some(SimLimits::per_minute(*tpm, tpm / 100)), LATENCY))
         .collect();
     SimUpstream::new(&specs)
 }

@@ -15,7 +15,7 @@ use http::{header, HeaderValue, StatusCode};
 use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 
-use crate::app::App;
+use crate::app::{App, BackendRt};
 use crate::state::{Availability, BackendState};
 
 /// One state as JSON: `ready`, `probing` (recovering, one request at a time), `cooling` or
@@ -50,6 +50,36 @@ fn capacity_json(state: &BackendState, now: u64) -> serde_json::Value {
     })
 }
 
+/// A backend and each of its deployments: name, priority and state. `detail` (the admin
+/// port) adds kind, weight, last status, requests served and tracked capacity; without
+/// it (`/readyz` on the public port) it is names and states only.
+pub fn backend_json(b: &BackendRt, now: u64, detail: bool) -> serde_json::Value {
+    let mut v = state_json(&b.state, now);
+    v["name"] = serde_json::json!(&*b.cfg.name);
+    v["priority"] = serde_json::json!(b.cfg.priority);
+    if detail {
+        v["kind"] = serde_json::json!(b.cfg.kind.as_str());
+        v["weight"] = serde_json::json!(b.cfg.weight);
+        v["last_status"] = serde_json::json!(b.state.last_status());
+        v["served_total"] = serde_json::json!(b.state.served());
+    }
+    v["deployments"] = b
+        .deployments
+        .all()
+        .iter()
+        .map(|(name, st)| {
+            let mut d = state_json(st, now);
+            d["name"] = serde_json::json!(name);
+            if detail {
+                d["last_status"] = serde_json::json!(st.last_status());
+                d["capacity"] = capacity_json(st, now);
+            }
+            d
+        })
+        .collect();
+    v
+}
+
 /// The whole picture, as `/admin/state` serves it.
 pub fn state(app: &App) -> serde_json::Value {
     let snap = app.snapshot.load();
@@ -57,28 +87,7 @@ pub fn state(app: &App) -> serde_json::Value {
     let backends: Vec<_> = snap
         .backends
         .iter()
-        .map(|b| {
-            let mut v = state_json(&b.state, now);
-            v["name"] = serde_json::json!(&*b.cfg.name);
-            v["kind"] = serde_json::json!(b.cfg.kind.as_str());
-            v["priority"] = serde_json::json!(b.cfg.priority);
-            v["weight"] = serde_json::json!(b.cfg.weight);
-            v["last_status"] = serde_json::json!(b.state.last_status());
-            v["served_total"] = serde_json::json!(b.state.served());
-            v["deployments"] = b
-                .deployments
-                .all()
-                .iter()
-                .map(|(name, st)| {
-                    let mut d = state_json(st, now);
-                    d["name"] = serde_json::json!(name);
-                    d["last_status"] = serde_json::json!(st.last_status());
-                    d["capacity"] = capacity_json(st, now);
-                    d
-                })
-                .collect();
-            v
-        })
+        .map(|b| backend_json(b, now, true))
         .collect();
     let routes: Vec<_> = snap
         .config

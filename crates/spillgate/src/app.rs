@@ -2,8 +2,8 @@
 //! precomputed from it), per-backend live state, the upstream client and the clock.
 //!
 //! Everything a request needs from the config is computed once when the config loads
-//! (upstream scheme/authority, the credential header, pools), so the hot path does no
-//! string building for it. The snapshot sits behind `ArcSwap`: requests read it without a
+//! (upstream scheme/authority, the credential header, pools, resolved fallbacks), so the
+//! hot path does not parse or rebuild it; metric labels share the config's names. The snapshot sits behind `ArcSwap`: requests read it without a
 //! lock, and a reload can swap it while in-flight requests finish on the old one.
 
 use std::collections::HashMap;
@@ -15,6 +15,7 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderName, HeaderValue};
 use spillgate_core::config::{AuthConfig, BackendConfig, BackendKind, Config};
 use spillgate_core::retry::RetryBudget;
+use spillgate_core::routing::RouteId;
 
 use crate::auth::ClientKeys;
 use spillgate_core::outcome::Cooldown;
@@ -190,6 +191,9 @@ impl BackendRt {
 #[derive(Debug)]
 pub struct RouteRt {
     pub budget: Arc<Mutex<RetryBudget>>,
+    /// The route's fallback models, each with the route that serves it (resolved once
+    /// per config; fallbacks no route serves are left out).
+    pub fallbacks: Vec<(String, RouteId)>,
 }
 
 /// An immutable view of one loaded config.
@@ -271,6 +275,14 @@ impl Snapshot {
                             b.window,
                         )))
                     }),
+                    fallbacks: r
+                        .fallback
+                        .iter()
+                        .filter_map(|f| {
+                            let route = config.table.route_for(f, &config.backends)?;
+                            Some((f.clone(), route))
+                        })
+                        .collect(),
                 }
             })
             .collect();

@@ -50,6 +50,14 @@ impl Client {
             Client::Named(n) => n,
         }
     }
+
+    /// The client as a metrics label value (its name shared, not copied).
+    pub fn label(&self) -> crate::metrics::Label {
+        match self {
+            Client::Anonymous => "-".into(),
+            Client::Named(n) => n.into(),
+        }
+    }
 }
 
 /// Headers that carry client credentials; removed before forwarding.

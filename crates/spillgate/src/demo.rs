@@ -262,7 +262,7 @@ async fn drive_load(
                             let status = resp.status().as_u16();
                             let backend = resp
                                 .headers()
-                                .get("x-spillgate-backend")
+                                .get(crate::proxy::HEADER_BACKEND)
                                 .and_then(|v| v.to_str().ok())
                                 .map(str::to_string);
                             let _ = resp.into_body().collect().await;

@@ -118,17 +118,23 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
             let now = a.clock.now_ms();
             let until_ms =
                 now.saturating_add(u64::try_from(hc.interval.as_millis()).unwrap_or(u64::MAX));
-            b.state.cool(Cooldown {
-                until_ms,
-                reason: CoolReason::Health,
-            });
-            a.metrics
-                .cooldowns
-                .get_or_create(&vec![
-                    ("backend", name.to_string()),
-                    ("reason", "health".to_string()),
-                ])
-                .inc();
+            let cooled = b.state.cool_at(
+                Cooldown {
+                    until_ms,
+                    reason: CoolReason::Health,
+                },
+                now,
+            );
+            // Counted when a cooldown starts, as the proxy counts its own.
+            if cooled.started {
+                a.metrics
+                    .cooldowns
+                    .get_or_create(&vec![
+                        ("backend", (&b.cfg.name).into()),
+                        ("reason", "health".into()),
+                    ])
+                    .inc();
+            }
             if healthy {
                 tracing::warn!(backend = %name, result = %detail, "health check failed; backend cooling until it passes");
             }

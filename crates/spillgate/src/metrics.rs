@@ -7,16 +7,76 @@
 //! ids, no prompts.
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 use crate::app::App;
 
-type Labels = Vec<(&'static str, String)>;
+pub type Labels = Vec<(&'static str, Label)>;
+
+/// A label value without copying on the request path: fixed text, or a name the config
+/// already holds (shared). Compared and hashed by its text, whichever form it has.
+#[derive(Debug, Clone)]
+pub enum Label {
+    Static(&'static str),
+    Shared(Arc<str>),
+    Owned(String),
+}
+
+impl Label {
+    pub fn as_str(&self) -> &str {
+        match self {
+            Label::Static(s) => s,
+            Label::Shared(s) => s,
+            Label::Owned(s) => s,
+        }
+    }
+}
+
+impl From<&'static str> for Label {
+    fn from(s: &'static str) -> Label {
+        Label::Static(s)
+    }
+}
+
+impl From<&Arc<str>> for Label {
+    fn from(s: &Arc<str>) -> Label {
+        Label::Shared(Arc::clone(s))
+    }
+}
+
+impl From<String> for Label {
+    fn from(s: String) -> Label {
+        Label::Owned(s)
+    }
+}
+
+impl PartialEq for Label {
+    fn eq(&self, other: &Label) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for Label {}
+
+impl Hash for Label {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
+    }
+}
+
+impl EncodeLabelValue for Label {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
+}
 
 /// Latency buckets in seconds: 5 ms to 5 minutes (completions can take minutes).
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -136,16 +196,13 @@ impl Metrics {
         self.remaining_tokens.clear();
         self.remaining_requests.clear();
         for b in &snap.backends {
-            let name = b.cfg.name.to_string();
+            let name = Label::from(&b.cfg.name);
             let left = |st: &crate::state::BackendState| {
                 st.cooldown(now)
                     .map_or(0.0, |c| (c.until_ms - now) as f64 / 1000.0)
             };
             self.cooling
-                .get_or_create(&vec![
-                    ("backend", name.clone()),
-                    ("deployment", "*".to_string()),
-                ])
+                .get_or_create(&vec![("backend", name.clone()), ("deployment", "*".into())])
                 .set(left(&b.state));
             // Only configured deployment names become label values: a backend without a
             // map tracks whatever model names clients send.
@@ -157,7 +214,7 @@ impl Metrics {
                 if !configured(&dep) {
                     continue;
                 }
-                let labels = vec![("backend", name.clone()), ("deployment", dep)];
+                let labels = vec![("backend", name.clone()), ("deployment", dep.into())];
                 self.cooling.get_or_create(&labels).set(left(&st));
                 let (tokens, requests) = st.capacity().available(now);
                 if let Some(t) = tokens {
@@ -181,6 +238,13 @@ impl Metrics {
 }
 
 /// `2xx`, `4xx`, ... for a status.
-pub fn status_class(status: u16) -> String {
-    format!("{}xx", status / 100)
+pub fn status_class(status: u16) -> Label {
+    match status / 100 {
+        1 => "1xx".into(),
+        2 => "2xx".into(),
+        3 => "3xx".into(),
+        4 => "4xx".into(),
+        5 => "5xx".into(),
+        c => format!("{c}xx").into(),
+    }
 }

@@ -21,6 +21,16 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use serde::Deserialize;
 use tiktoken_rs::CoreBPE;
 
+/// Whether a request is treated as low priority: request priority is on (`[priority]`)
+/// and the request asks for it. The one rule for routing and for the metrics.
+pub fn treated_as_low(
+    config: &spillgate_core::config::Config,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> bool {
+    config.priority.is_some() && is_low(headers, query)
+}
+
 /// Whether a request asks to be low priority: `x-priority: low` or `priority=low`.
 pub fn is_low(headers: &HeaderMap, query: Option<&str>) -> bool {
     let header = headers
@@ -168,18 +178,24 @@ pub fn stream_usage_supported(operation: &str, api_version: Option<&str>) -> boo
 /// it set, so the backend reports usage; `None` when nothing needs to change. The field
 /// is spliced in, so every other byte of the body stays as the client sent it.
 pub fn request_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
+    // Most bodies are settled by reading two fields, without building the whole tree;
+    // the full parse below is for the rest (options to edit, or anything unusual).
+    let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    if let (true, Ok(probe)) = (is_object, serde_json::from_slice::<StreamProbe>(body)) {
+        if !probe.stream {
+            return None;
+        }
+        if !probe.stream_options {
+            return splice_include_usage(body);
+        }
+    }
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     let obj = v.as_object()?;
     if obj.get("stream") != Some(&serde_json::Value::Bool(true)) {
         return None;
     }
     if !obj.contains_key("stream_options") {
-        let open = body.iter().position(|b| *b == b'{')?;
-        let mut out = Vec::with_capacity(body.len() + 40);
-        out.extend_from_slice(&body[..=open]);
-        out.extend_from_slice(br#""stream_options":{"include_usage":true},"#);
-        out.extend_from_slice(&body[open + 1..]);
-        return Some(out);
+        return splice_include_usage(body);
     }
     let mut v = v;
     let obj = v.as_object_mut()?;
@@ -206,6 +222,36 @@ pub fn request_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
         }
     }
     serde_json::to_vec(&v).ok()
+}
+
+/// The two fields [`request_stream_usage`] decides on; every other field is skipped.
+#[derive(Deserialize)]
+struct StreamProbe {
+    /// `"stream": true` exactly.
+    #[serde(default, deserialize_with = "is_true")]
+    stream: bool,
+    /// Whether `stream_options` is there at all (even `null`).
+    #[serde(default, deserialize_with = "present")]
+    stream_options: bool,
+}
+
+fn is_true<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(serde_json::Value::deserialize(d)? == serde_json::Value::Bool(true))
+}
+
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    serde::de::IgnoredAny::deserialize(d).map(|_| true)
+}
+
+/// `body` (a JSON object) with `"stream_options":{"include_usage":true}` as its first
+/// member; every other byte as it was.
+fn splice_include_usage(body: &[u8]) -> Option<Vec<u8>> {
+    let open = body.iter().position(|b| *b == b'{')?;
+    let mut out = Vec::with_capacity(body.len() + 40);
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(br#""stream_options":{"include_usage":true},"#);
+    out.extend_from_slice(&body[open + 1..]);
+    Some(out)
 }
 
 #[derive(Deserialize)]
@@ -246,9 +292,10 @@ const JSON_TAP_LIMIT: usize = 4 * 1024 * 1024;
 /// Called once with the usage total a response reported (or `None`).
 pub type OnUsage = Box<dyn FnOnce(Option<u64>) + Send>;
 
-/// Passes a response body through while reading its `usage`. For SSE it works frame by
-/// frame (`\n\n`-separated) and, with `strip_usage_chunk`, drops the usage-only chunk the
-/// gateway asked for; every other byte goes through unchanged.
+/// Passes a response body through while reading its `usage`. For SSE it reads event by
+/// event (`\n\n`-separated). Without `strip_usage_chunk` every chunk goes on as it came
+/// (only the unfinished tail of an event is kept aside, to read); with it, complete events
+/// are passed on and the usage-only chunk the gateway asked for is dropped.
 pub struct UsageTap<B> {
     inner: B,
     sse: bool,
@@ -290,36 +337,73 @@ impl<B> UsageTap<B> {
         }
     }
 
-    /// Splits complete SSE events off `pending`; returns the bytes to pass on.
+    /// Reads the usage of one complete event; true when it is the usage-only chunk that
+    /// `strip_usage_chunk` drops.
+    fn read_event(&mut self, event: &[u8]) -> bool {
+        let Some(payload) = sse_data(event) else {
+            return false;
+        };
+        if !payload.windows(8).any(|w| w == b"\"usage\":") {
+            return false;
+        }
+        let Some(total) = usage_total(payload) else {
+            return false;
+        };
+        self.usage = Some(total);
+        self.strip_usage_chunk && is_usage_only_chunk(payload)
+    }
+
+    /// Splits complete SSE events off `pending`; returns the bytes to pass on (all of
+    /// them but a dropped usage chunk).
     fn take_events(&mut self) -> Bytes {
         let mut out = BytesMut::new();
         while let Some(end) = find_event_end(&self.pending) {
             let event = self.pending.split_to(end);
-            let mut drop_it = false;
-            if let Some(payload) = sse_data(&event) {
-                if payload.windows(8).any(|w| w == b"\"usage\":") {
-                    if let Some(total) = usage_total(payload) {
-                        self.usage = Some(total);
-                        drop_it = self.strip_usage_chunk && is_usage_only_chunk(payload);
-                    }
-                }
-            }
-            if !drop_it {
+            if !self.read_event(&event) {
                 out.extend_from_slice(&event);
             }
         }
         out.freeze()
     }
+
+    /// Reads the events `data` completes without holding any byte back: only the
+    /// unfinished tail stays in `pending`.
+    fn observe(&mut self, data: &[u8]) {
+        let mut rest = data;
+        if !self.pending.is_empty() {
+            self.pending.extend_from_slice(rest);
+            while let Some(end) = find_event_end(&self.pending) {
+                let event = self.pending.split_to(end);
+                self.read_event(&event);
+            }
+            return;
+        }
+        while let Some(end) = find_event_end(rest) {
+            self.read_event(&rest[..end]);
+            rest = &rest[end..];
+        }
+        self.pending.extend_from_slice(rest);
+    }
 }
 
-/// End (exclusive) of the first complete event: after its blank line.
+/// End (exclusive) of the first complete event: after its blank line (`\n\n` or
+/// `\r\n\r\n`), found in one pass over the line feeds.
 fn find_event_end(buf: &[u8]) -> Option<usize> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
+    let mut from = 0;
+    while let Some(i) = buf[from..]
+        .iter()
+        .position(|c| *c == b'\n')
+        .map(|i| i + from)
+    {
+        if buf.get(i + 1) == Some(&b'\n') {
+            return Some(i + 2);
+        }
+        if i >= 1 && buf[i - 1] == b'\r' && buf.get(i + 1..i + 3) == Some(b"\r\n") {
+            return Some(i + 3);
+        }
+        from = i + 1;
     }
+    None
 }
 
 /// The `data:` payload of a one-line SSE event.
@@ -361,7 +445,12 @@ where
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(None) => {
-                    let rest = this.pending.split().freeze();
+                    let rest = if this.strip_usage_chunk {
+                        this.pending.split().freeze()
+                    } else {
+                        // Already passed on as it came.
+                        Bytes::new()
+                    };
                     this.finish();
                     if rest.is_empty() {
                         return Poll::Ready(None);
@@ -383,6 +472,10 @@ where
                         }
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
+                    if !this.strip_usage_chunk {
+                        this.observe(&data);
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
                     this.pending.extend_from_slice(&data);
                     let out = this.take_events();
                     if !out.is_empty() {
@@ -395,7 +488,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream() && self.pending.is_empty()
+        self.inner.is_end_stream() && (!self.strip_usage_chunk || self.pending.is_empty())
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -495,12 +588,31 @@ mod tests {
         );
         assert_eq!(request_stream_usage(br#"{"stream":false}"#), None);
         assert_eq!(request_stream_usage(b"not json"), None);
+        // Unusual shapes take the full parse and keep its answers.
+        assert_eq!(request_stream_usage(b"[true]"), None);
+        assert_eq!(request_stream_usage(br#"{"stream":"true"}"#), None);
+        let b = request_stream_usage(br#"{"stream":true,"stream_options":null}"#).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(
+            v["stream_options"],
+            serde_json::json!({"include_usage": true})
+        );
+        let b = request_stream_usage(br#"{"stream":false,"stream":true}"#).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(
+            v["stream_options"],
+            serde_json::json!({"include_usage": true})
+        );
     }
 
-    async fn run_tap(chunks: Vec<&'static str>, sse: bool, strip: bool) -> (String, Option<u64>) {
-        let stream = futures_util::stream::iter(chunks.into_iter().map(|c| {
-            Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(c.as_bytes())))
-        }));
+    async fn run_tap(chunks: Vec<&str>, sse: bool, strip: bool) -> (String, Option<u64>) {
+        let frames: Vec<_> = chunks
+            .into_iter()
+            .map(|c| {
+                Ok::<_, std::convert::Infallible>(Frame::data(Bytes::copy_from_slice(c.as_bytes())))
+            })
+            .collect();
+        let stream = futures_util::stream::iter(frames);
         let seen = Arc::new(Mutex::new(None));
         let seen2 = Arc::clone(&seen);
         let tap = UsageTap::new(
@@ -550,6 +662,43 @@ mod tests {
         let (out, usage) = run_tap(vec![CHUNK, USAGE, DONE], true, false).await;
         assert_eq!(out, format!("{CHUNK}{USAGE}{DONE}"));
         assert_eq!(usage, Some(12));
+        // The usage chunk split across network chunks, with CRLF line ends, is still read.
+        let usage_crlf = USAGE.replace("\n\n", "\r\n\r\n");
+        let (a, b) = usage_crlf.split_at(30);
+        let (out, usage) = run_tap(vec![CHUNK, a, b, DONE], true, false).await;
+        assert_eq!(out, format!("{CHUNK}{a}{b}{DONE}"));
+        assert_eq!(usage, Some(12));
+    }
+
+    #[tokio::test]
+    async fn sse_chunks_pass_as_they_came_when_nothing_is_dropped() {
+        // A partial event is not held back: each network chunk goes on at once.
+        let parts = ["data: {\"choices\":[{\"de", "lta\":{}}]}\n", "\n", DONE];
+        let stream = futures_util::stream::iter(parts.map(|c| {
+            Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(c.as_bytes())))
+        }));
+        let mut tap = UsageTap::new(
+            StreamBody::new(stream),
+            true,
+            false,
+            false,
+            Box::new(|_| {}),
+        );
+        for part in parts {
+            let frame = tap.frame().await.unwrap().unwrap();
+            assert_eq!(frame.into_data().unwrap(), part.as_bytes());
+        }
+        assert!(tap.frame().await.is_none());
+    }
+
+    #[test]
+    fn event_ends_are_found_for_both_line_endings() {
+        assert_eq!(find_event_end(b"data: x\n\ndata: y\n\n"), Some(9));
+        assert_eq!(find_event_end(b"data: x\r\n\r\nmore"), Some(11));
+        assert_eq!(find_event_end(b"a\r\n\r\nb\n\n"), Some(5));
+        assert_eq!(find_event_end(b"a\nb\r\nc\n"), None);
+        assert_eq!(find_event_end(b"\n"), None);
+        assert_eq!(find_event_end(b""), None);
     }
 
     #[tokio::test]

@@ -30,7 +30,8 @@ use tower_http::timeout::TimeoutBody;
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::errors::GatewayError;
-use crate::state::{BackendState, CapacityProbe, Probe, ProbeGuard, Reservation};
+use crate::metrics::Label;
+use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
 use crate::upstream::AttemptError;
 
 pub const HEADER_BACKEND: &str = "x-spillgate-backend";
@@ -77,6 +78,7 @@ fn forward_headers(client: &HeaderMap) -> HeaderMap {
             || CLIENT_CREDENTIAL_HEADERS.contains(&n)
             || matches!(n, "host" | "content-length" | "expect" | "cookie")
             || CLIENT_ONLY_HEADERS.contains(&n)
+            || n.starts_with("x-forwarded-")
         {
             continue;
         }
@@ -86,15 +88,12 @@ fn forward_headers(client: &HeaderMap) -> HeaderMap {
 }
 
 /// Client headers that must not reach a backend: an OpenAI organization or project would
-/// pick which account the gateway's key bills; forwarding headers would leak the client's
-/// network; `x-priority` is the gateway's own.
-const CLIENT_ONLY_HEADERS: [&str; 8] = [
+/// pick which account the gateway's key bills; forwarding headers (these and every
+/// `x-forwarded-*`) would leak the client's network; `x-priority` is the gateway's own.
+const CLIENT_ONLY_HEADERS: [&str; 5] = [
     "openai-organization",
     "openai-project",
     "forwarded",
-    "x-forwarded-for",
-    "x-forwarded-host",
-    "x-forwarded-proto",
     "x-real-ip",
     "x-priority",
 ];
@@ -166,7 +165,16 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
     let route = classify_path(parts.method.as_str(), path);
 
     // Authenticate before reading the body: an unauthenticated client costs no buffering.
-    let client = match &route {
+    // An unknown path is answered 404 without a key.
+    let client = match (&route, snap.client_keys.authenticate(&parts.headers)) {
+        (ApiRoute::NotFound, _) => Client::Anonymous,
+        (_, Some(c)) => c,
+        (_, None) => {
+            return reject_unread(rejected(GatewayError::unauthorized()), &parts.headers, body)
+                .await
+        }
+    };
+    let (shape, deployment, operation) = match route {
         ApiRoute::NotFound => {
             let resp = rejected(GatewayError::not_found(format!(
                 "Unknown path `{}`.",
@@ -174,21 +182,11 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
             )));
             return reject_unread(resp, &parts.headers, body).await;
         }
-        _ => match snap.client_keys.authenticate(&parts.headers) {
-            Some(c) => c,
-            None => {
-                return reject_unread(rejected(GatewayError::unauthorized()), &parts.headers, body)
-                    .await
-            }
-        },
-    };
-    let (shape, deployment, operation) = match route {
         ApiRoute::ListModels => return list_models(&snap),
         ApiRoute::Invalid(why) => {
             let resp = rejected(GatewayError::bad_request("invalid_path", why));
             return reject_unread(resp, &parts.headers, body).await;
         }
-        ApiRoute::NotFound => return rejected(GatewayError::not_found("Unknown path.")),
         ApiRoute::Operation {
             shape,
             deployment,
@@ -229,7 +227,7 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         Some(b) => (Bytes::from(b), true),
         None => (body, false),
     };
-    let low = priority.is_some() && crate::priority::is_low(&parts.headers, parts.uri.query());
+    let low = crate::priority::treated_as_low(&snap.config, &parts.headers, parts.uri.query());
 
     let (model, body_info) = match deployment {
         Some(d) => (d.to_string(), None),
@@ -325,14 +323,15 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
             app.metrics
                 .low_priority
                 .get_or_create(&vec![
-                    ("decision", d.to_string()),
+                    ("decision", d.into()),
                     (
                         "model",
                         ctx.snap
                             .config
                             .table
                             .model_label(&ctx.req.model)
-                            .to_string(),
+                            .to_string()
+                            .into(),
                     ),
                 ])
                 .inc();
@@ -370,11 +369,7 @@ const DRAIN_LIMIT: usize = 64 * 1024;
 /// client could lose the answer; so a small body is read and dropped first (bounded in
 /// size and time), and a large one gets `Connection: close` instead.
 async fn reject_unread(mut resp: Response, headers: &HeaderMap, body: Body) -> Response {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > DRAIN_LIMIT as u64) {
+    if declared_len(headers).is_some_and(|n| n > DRAIN_LIMIT as u64) {
         resp.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return resp;
@@ -389,6 +384,14 @@ async fn reject_unread(mut resp: Response, headers: &HeaderMap, body: Body) -> R
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     resp
+}
+
+/// The body length a request declares in `Content-Length`.
+fn declared_len(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// Reads the whole request body, refusing it with 413 before any upstream call when it is
@@ -407,11 +410,7 @@ async fn read_body(
             format!("The request body is larger than this gateway's limit of {max} bytes (server.max_body_bytes)."),
         )
     };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
+    if declared_len(headers).is_some_and(|n| n > max as u64) {
         return Err(too_large());
     }
     // A client that declares a body and then trickles it (or stops) must not hold a
@@ -595,38 +594,30 @@ fn select_backend<'s>(
                 let pick = pool.select_scored(
                     |id| {
                         let b = &backends[id];
-                        let Some(dep) = b.cfg.deployment_for(c.model) else {
-                            return false;
-                        };
+                        let dep = b.cfg.deployment_for(c.model)?;
                         if tried.contains(&(id, dep))
                             || busy.contains(&id)
-                            || !usable(b, c.model, now)
+                            || !b.state.is_usable(now)
                         {
-                            return false;
+                            return None;
                         }
-                        let Some(state) = b.deployment_state(c.model) else {
-                            return false;
-                        };
+                        let state = b.deployments.get(dep);
+                        if !state.is_usable(now) {
+                            return None;
+                        }
                         let admitted = reserve.is_none_or(|(r, p)| {
                             !matches!(
                                 state.admit_low(ctx.est_tokens, r, p, now),
                                 Admission::Refuse(_)
                             )
                         });
-                        admitted && (!strict || state.covers(ctx.est_tokens, now))
+                        (admitted && (!strict || state.covers(ctx.est_tokens, now)))
+                            .then_some(state)
                     },
-                    |id| {
-                        backends[id]
-                            .deployment_state(c.model)
-                            .and_then(|d| d.headroom(now))
-                    },
+                    |state| state.headroom(now),
                     rng,
                 );
-                let Some(id) = pick else { break };
-                let Some(dep) = backends[id].deployment_state(c.model) else {
-                    busy.push(id);
-                    continue;
-                };
+                let Some((id, dep)) = pick else { break };
                 // Another request may have taken a probe slot or the capacity since the
                 // check: then this backend is busy for now.
                 let Some(mut probes) = take_probes(&backends[id], &dep) else {
@@ -684,12 +675,18 @@ fn priority_refusal<'s>(
                 .deployment_state(model)?
                 .admit_low(ctx.est_tokens, reserve, policy, now)
             {
-                Admission::Refuse(wait) => Some(wait.unwrap_or(1_000)),
+                Admission::Refuse(wait) => Some(wait),
                 _ => None,
             }
         })
         .min()
-        .map(|ms| Duration::from_millis(ms.max(1_000)))
+        .map(refusal_retry_after)
+}
+
+/// The `Retry-After` of a low-priority refusal whose capacity returns in `wait_ms`: at
+/// least a second.
+fn refusal_retry_after(wait_ms: u64) -> Duration {
+    Duration::from_millis(wait_ms.max(1_000))
 }
 
 /// Whether this request already tried `model`'s deployment on backend `id`.
@@ -718,18 +715,27 @@ fn candidates<'a>(
 /// The fallback chain of a request: its model and route, then each fallback model that
 /// some route serves.
 fn fallback_chain<'a>(ctx: &'a Ctx<'_>) -> Vec<Candidate<'a>> {
-    let table = &ctx.snap.config.table;
-    let route = &table.routes[ctx.route_id];
     std::iter::once(Candidate {
         model: &ctx.req.model,
         route: ctx.route_id,
     })
-    .chain(route.fallback.iter().filter_map(|f| {
-        table
-            .route_for(f, &ctx.snap.config.backends)
-            .map(|route| Candidate { model: f, route })
-    }))
+    .chain(
+        ctx.snap.routes[ctx.route_id]
+            .fallbacks
+            .iter()
+            .map(|(model, route)| Candidate {
+                model,
+                route: *route,
+            }),
+    )
     .collect()
+}
+
+/// The model of the request's `i`th candidate: its own (0), then its fallbacks'.
+fn candidate_model<'a>(ctx: &'a Ctx<'_>, i: usize) -> &'a str {
+    i.checked_sub(1)
+        .and_then(|f| ctx.snap.routes[ctx.route_id].fallbacks.get(f))
+        .map_or(ctx.req.model.as_str(), |(model, _)| model)
 }
 
 /// Reads and drops what is left of a response the client will not get, so its
@@ -737,7 +743,7 @@ fn fallback_chain<'a>(ctx: &'a Ctx<'_>) -> Vec<Candidate<'a>> {
 fn discard(response: Option<http::Response<Body>>) {
     if let Some(r) = response {
         tokio::spawn(async move {
-            let body = Limited::new(r.into_body(), 64 * 1024);
+            let body = Limited::new(r.into_body(), DRAIN_LIMIT);
             let _ = tokio::time::timeout(Duration::from_secs(1), body.collect()).await;
         });
     }
@@ -788,7 +794,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     // `>=300` policy, say): if the backends run out, the client gets it as it is.
     let mut last_answer: Option<(BackendId, usize, http::Response<Body>)> = None;
     // A failover is counted when the next attempt starts, not when there is none.
-    let mut pending_failover: Option<(String, String)> = None;
+    let mut pending_failover: Option<(BackendId, Label)> = None;
 
     loop {
         if deadline_passed() {
@@ -918,11 +924,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                                 if let Admission::Refuse(w) =
                                     dep.admit_low(ctx.est_tokens, r, p, now)
                                 {
-                                    let retry_after =
-                                        Duration::from_millis(w.unwrap_or(1_000).max(1_000));
                                     return Ended::PriorityRefused {
                                         attempts,
-                                        retry_after,
+                                        retry_after: refusal_retry_after(w),
                                     };
                                 }
                             }
@@ -951,10 +955,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             mut reservation,
         } = pick;
         if let Some((from, reason)) = pending_failover.take() {
-            if from != *snap.backends[id].cfg.name {
+            if from != id {
                 app.metrics
                     .failovers
-                    .get_or_create(&vec![("backend", from), ("reason", reason)])
+                    .get_or_create(&vec![
+                        ("backend", (&snap.backends[from].cfg.name).into()),
+                        ("reason", reason),
+                    ])
                     .inc();
             }
         }
@@ -1044,14 +1051,14 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             }
         };
         let outcome_label = match attempt {
-            AttemptResult::ConnectError => "connect".to_string(),
-            AttemptResult::Status(429) => "429".to_string(),
+            AttemptResult::ConnectError => Label::from("connect"),
+            AttemptResult::Status(429) => Label::from("429"),
             AttemptResult::Status(s) => crate::metrics::status_class(s),
         };
         app.metrics
             .attempts
             .get_or_create(&vec![
-                ("backend", backend.cfg.name.to_string()),
+                ("backend", (&backend.cfg.name).into()),
                 ("outcome", outcome_label.clone()),
             ])
             .inc();
@@ -1059,8 +1066,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             app.metrics
                 .cooldowns
                 .get_or_create(&vec![
-                    ("backend", backend.cfg.name.to_string()),
-                    ("reason", "tripped".to_string()),
+                    ("backend", (&backend.cfg.name).into()),
+                    ("reason", "tripped".into()),
                 ])
                 .inc();
         }
@@ -1098,8 +1105,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         &deployment
                     };
                     // Counted when a cooldown starts, not when a running one is extended.
-                    let entering = target.cooldown(now).is_none();
-                    cool(
+                    let started = cool(
                         backend,
                         model,
                         target,
@@ -1110,12 +1116,12 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         response.as_ref().map(|r| r.status().as_u16()),
                         &mut rng,
                     );
-                    if entering {
+                    if started {
                         app.metrics
                             .cooldowns
                             .get_or_create(&vec![
-                                ("backend", backend.cfg.name.to_string()),
-                                ("reason", reason.as_str().to_string()),
+                                ("backend", (&backend.cfg.name).into()),
+                                ("reason", reason.as_str().into()),
                             ])
                             .inc();
                     }
@@ -1141,7 +1147,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             },
             Step::Switch => {
-                pending_failover = Some((backend.cfg.name.to_string(), outcome_label.clone()));
+                pending_failover = Some((id, outcome_label.clone()));
                 failures.push(outcome);
                 match response {
                     Some(r) if !outcome.fails_over() => {
@@ -1208,8 +1214,10 @@ fn record_breaker(
         return false;
     };
     let failed = cfg.condition.matches(attempt);
-    let (total, fails) = backend.state.breaker_record(cfg.policy.window, now, failed);
-    if !(failed && cfg.policy.should_trip(total, fails)) {
+    let Some((total, fails)) = backend.state.breaker_record(cfg.policy.window, now, failed) else {
+        return false;
+    };
+    if !cfg.policy.should_trip(total, fails) {
         return false;
     }
     backend.state.breaker_clear();
@@ -1261,10 +1269,10 @@ fn cool(
     policy: &spillgate_core::config::CooldownPolicy,
     status: Option<u16>,
     rng: &mut fastrand::Rng,
-) {
+) -> bool {
     let d = cooldown_duration(reason, hint, policy);
     let until_ms = now.saturating_add(millis(d + jitter(d, policy, rng)));
-    let extended = target.cool(Cooldown { until_ms, reason });
+    let Cooled { started, extended } = target.cool_at(Cooldown { until_ms, reason }, now);
     let scope = if std::ptr::eq(target, &*backend.state) {
         "backend"
     } else {
@@ -1281,6 +1289,7 @@ fn cool(
         extended,
         "backend cooling down"
     );
+    started
 }
 
 fn build_upstream_request(
@@ -1347,7 +1356,7 @@ fn build_upstream_request(
 
 /// Counts an answered request: by backend, status class, priority and (bounded) model;
 /// and for low priority, whether it was admitted.
-fn record_request(ctx: &Ctx<'_>, backend: &str, status: u16) {
+fn record_request(ctx: &Ctx<'_>, backend: Label, status: u16) {
     let m = &ctx.app.metrics;
     let model = ctx
         .snap
@@ -1357,10 +1366,10 @@ fn record_request(ctx: &Ctx<'_>, backend: &str, status: u16) {
         .to_string();
     m.requests
         .get_or_create(&vec![
-            ("backend", backend.to_string()),
+            ("backend", backend),
             ("status_class", crate::metrics::status_class(status)),
-            ("priority", if ctx.low { "low" } else { "high" }.to_string()),
-            ("model", model),
+            ("priority", if ctx.low { "low" } else { "high" }.into()),
+            ("model", model.into()),
         ])
         .inc();
 }
@@ -1379,15 +1388,16 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             reservation,
         } => {
             let b = &snap.backends[backend];
-            let chain = fallback_chain(ctx);
-            let served_model = chain.get(model).map_or(req.model.as_str(), |c| c.model);
+            let served_model = candidate_model(ctx, model);
             let (parts, body) = response.into_parts();
             let mut headers = response_headers(&parts.headers);
-            let sse = parts
+            let content_type = parts
                 .headers
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| v.starts_with("text/event-stream"));
+                .unwrap_or("");
+            let sse = content_type.starts_with("text/event-stream");
+            let json_body = content_type.starts_with("application/json");
             let strip = ctx.strip_usage && sse;
             if strip {
                 // The body changes length when the usage chunk is taken out.
@@ -1412,17 +1422,17 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             );
             let idle = snap.config.timeouts.idle;
             let priority_label = if ctx.low { "low" } else { "high" };
-            record_request(ctx, &b.cfg.name, parts.status.as_u16());
+            record_request(ctx, (&b.cfg.name).into(), parts.status.as_u16());
             b.state.count_served();
             app.metrics
                 .ttfb
-                .get_or_create(&vec![("priority", priority_label.to_string())])
+                .get_or_create(&vec![("priority", priority_label.into())])
                 .observe(ctx.started.elapsed().as_secs_f64());
             // When the body ends: its duration, the tokens its usage reports, and (with
             // request priority) the release of the deployment's reservation, corrected by
             // that usage.
             let started = ctx.started;
-            let labels = (b.cfg.name.to_string(), client.name().to_string());
+            let labels: (Label, Label) = ((&b.cfg.name).into(), client.label());
             let app_end = Arc::clone(app);
             let on_usage: crate::priority::OnUsage = Box::new(move |used| {
                 if let Some(r) = reservation {
@@ -1438,14 +1448,9 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 app_end
                     .metrics
                     .duration
-                    .get_or_create(&vec![("priority", priority_label.to_string())])
+                    .get_or_create(&vec![("priority", priority_label.into())])
                     .observe(started.elapsed().as_secs_f64());
             });
-            let json_body = parts
-                .headers
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| v.starts_with("application/json"));
             let body = Body::new(crate::priority::UsageTap::new(
                 body, sse, json_body, strip, on_usage,
             ));
@@ -1510,7 +1515,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 ttfb_ms = elapsed_ms,
                 "request: no backend answer"
             );
-            record_request(ctx, "-", err.status.as_u16());
+            record_request(ctx, "-".into(), err.status.as_u16());
             let mut resp = err.into_response();
             resp.headers_mut()
                 .insert(HEADER_ATTEMPTS, HeaderValue::from(attempts));
@@ -1550,8 +1555,11 @@ fn candidate_cooldowns(ctx: &Ctx<'_>, now_ms: u64) -> (usize, Vec<Cooldown>) {
 /// Time until the soonest cooldown among the request's candidates ends; 1 s when none is
 /// cooling.
 fn soonest_recovery(ctx: &Ctx<'_>, now_ms: u64) -> Duration {
-    candidate_cooldowns(ctx, now_ms)
-        .1
+    soonest_of(&candidate_cooldowns(ctx, now_ms).1, now_ms)
+}
+
+fn soonest_of(cooldowns: &[Cooldown], now_ms: u64) -> Duration {
+    cooldowns
         .iter()
         .map(|c| c.until_ms - now_ms)
         .min()
@@ -1584,5 +1592,34 @@ fn exhausted_error(ctx: &Ctx<'_>, failures: &[Outcome], now_ms: u64) -> GatewayE
             ),
         )
     };
-    err.with_retry_after(soonest_recovery(ctx, now_ms))
+    err.with_retry_after(soonest_of(&cooldowns, now_ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_network_and_credentials_stay_behind() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("api-key", "k"),
+            ("authorization", "Bearer k"),
+            ("forwarded", "for=10.0.0.1"),
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-port", "443"),
+            ("x-forwarded-prefix", "/team-a"),
+            ("x-real-ip", "10.0.0.1"),
+            ("x-priority", "low"),
+            ("openai-organization", "org"),
+            ("user-agent", "OpenAI/Python"),
+            ("x-forwarded", "kept: not a forwarding header family"),
+        ] {
+            h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        let out = forward_headers(&h);
+        let names: Vec<_> = out.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(out.contains_key("user-agent") && out.contains_key("x-forwarded"));
+    }
 }

@@ -40,6 +40,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if o.drain_timeout != n.drain_timeout {
         v.push("server.drain_timeout");
     }
+    if o.config_poll != n.config_poll {
+        v.push("server.config_poll");
+    }
     if o.max_header_bytes != n.max_header_bytes || o.max_headers != n.max_headers {
         v.push("server.max_header_bytes / max_headers");
     }
@@ -81,16 +84,24 @@ pub fn apply_config(app: &Arc<App>, config: Config) -> Result<u64, ReloadError> 
 
 /// Reads, validates and applies a config file.
 pub fn apply_file(app: &Arc<App>, path: &Path) -> Result<u64, ReloadError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ReloadError::Read {
+    apply_bytes(app, path, read(path)?)
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, ReloadError> {
+    std::fs::read(path).map_err(|e| ReloadError::Read {
+        path: path.display().to_string(),
+        error: e.to_string(),
+    })
+}
+
+/// Validates and applies the content read from `path`.
+fn apply_bytes(app: &Arc<App>, path: &Path, bytes: Vec<u8>) -> Result<u64, ReloadError> {
+    let text = String::from_utf8(bytes).map_err(|e| ReloadError::Read {
         path: path.display().to_string(),
         error: e.to_string(),
     })?;
     let config = crate::load_config(&text).map_err(ReloadError::Invalid)?;
     apply_config(app, config)
-}
-
-fn fingerprint(path: &Path) -> Option<[u8; 32]> {
-    std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
 }
 
 /// Watches `path` (checked every `interval`, and at once on SIGHUP) for the gateway's
@@ -100,7 +111,7 @@ pub fn spawn(app: &Arc<App>, path: PathBuf, interval: Duration, loaded: Option<&
     let weak = Arc::downgrade(app);
     let seen = match loaded {
         Some(text) => Some(Sha256::digest(text.as_bytes()).into()),
-        None => fingerprint(&path),
+        None => read(&path).ok().map(|b| Sha256::digest(&b).into()),
     };
     // Registered now, before the task first runs: a SIGHUP must never find no handler
     // (its default action ends the process).
@@ -123,8 +134,9 @@ async fn watch(
     mut seen: Option<[u8; 32]>,
     mut hup: Hangup,
 ) {
-    // The last refused content: an invalid file is reported once, not every second.
-    let mut refused: Option<[u8; 32]> = None;
+    // The last refused content (`Some(None)`: the file could not be read): an invalid
+    // file is reported once, not every second.
+    let mut refused: Option<Option<[u8; 32]>> = None;
     loop {
         // A zero interval: no polling, SIGHUP only.
         let tick = if interval.is_zero() {
@@ -149,7 +161,9 @@ async fn watch(
             false
         };
         let Some(app) = app.upgrade() else { return };
-        let now = fingerprint(&path);
+        // Read once: what is hashed is what is applied.
+        let content = read(&path);
+        let now = content.as_ref().ok().map(|b| Sha256::digest(b).into());
         if now == seen && !forced {
             continue;
         }
@@ -157,14 +171,14 @@ async fn watch(
         if forced {
             tracing::info!(path = %path.display(), "SIGHUP: reloading the config");
         }
-        match apply_file(&app, &path) {
+        match content.and_then(|bytes| apply_bytes(&app, &path, bytes)) {
             Ok(_) => refused = None,
             Err(e) => {
-                if refused != now || forced {
+                if refused != Some(now) || forced {
                     let text = e.to_string().replace('\n', "; ");
                     tracing::error!(path = %path.display(), errors = %text, "config change refused; the running config stays");
                 }
-                refused = now;
+                refused = Some(now);
             }
         }
     }

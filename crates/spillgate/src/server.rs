@@ -63,7 +63,11 @@ async fn request_id(
         None => format!("{:016x}", fastrand::u64(..)),
     };
     let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
-    let low = crate::priority::is_low(req.headers(), req.uri().query());
+    let low = crate::priority::treated_as_low(
+        &app.snapshot.load().config,
+        req.headers(),
+        req.uri().query(),
+    );
     req.extensions_mut().insert(RequestId(id.clone()));
     let span = tracing::info_span!("req", request_id = %id);
     let mut resp = next.run(req).instrument(span).await;
@@ -71,13 +75,13 @@ async fn request_id(
         app.metrics
             .requests
             .get_or_create(&vec![
-                ("backend", "-".to_string()),
+                ("backend", "-".into()),
                 (
                     "status_class",
                     crate::metrics::status_class(resp.status().as_u16()),
                 ),
-                ("priority", if low { "low" } else { "high" }.to_string()),
-                ("model", "-".to_string()),
+                ("priority", if low { "low" } else { "high" }.into()),
+                ("model", "-".into()),
             ])
             .inc();
     }
@@ -101,22 +105,7 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
     let backends: Vec<_> = snap
         .backends
         .iter()
-        .map(|b| {
-            let mut v = crate::admin::state_json(&b.state, now);
-            v["name"] = serde_json::json!(&*b.cfg.name);
-            v["priority"] = serde_json::json!(b.cfg.priority);
-            v["deployments"] = b
-                .deployments
-                .all()
-                .iter()
-                .map(|(name, st)| {
-                    let mut d = crate::admin::state_json(st, now);
-                    d["name"] = serde_json::json!(name);
-                    d
-                })
-                .collect();
-            v
-        })
+        .map(|b| crate::admin::backend_json(b, now, false))
         .collect();
     // A backend can serve when the resource and at least one of its deployments are ready.
     let any_ready = snap.backends.iter().any(|b| {
@@ -150,9 +139,10 @@ pub struct Running {
 }
 
 impl Running {
-    /// Graceful shutdown: stops accepting at once (new connections are refused), marks
-    /// the gateway as draining (`/readyz` turns 503), lets in-flight requests and streams
-    /// finish for up to `server.drain_timeout`, then closes what is left.
+    /// Graceful shutdown: marks the gateway as draining (`/readyz` turns 503), keeps
+    /// accepting for `server.shutdown_delay` (0 by default) so a load balancer can take it
+    /// out, then stops accepting (new connections are refused), lets in-flight requests
+    /// and streams finish for up to `server.drain_timeout`, and closes what is left.
     pub async fn shutdown(self) {
         self.app.start_draining();
         // Still accepting for a while: load balancers see /readyz turn 503 and stop

@@ -3,7 +3,7 @@
 //! Each deployment enforces a TPM and an RPM limit as token buckets over a short window
 //! (Azure grants quota per minute and enforces it over windows of a few seconds): a
 //! bucket holds `limit * window / 60 s` and refills continuously. A request costs its
-//! estimated tokens (prompt bytes / 4 plus `max_tokens`, as Azure charges at admission);
+//! estimated tokens (body bytes / 4 plus `max_tokens`, near Azure's count at admission);
 //! over the limit it gets 429 with `Retry-After` / `retry-after-ms` at once, otherwise,
 //! after the backend's latency, 200 with
 //! `x-ratelimit-remaining-*`, `-limit-*` and `-reset-*` headers and a `usage` object. Time
@@ -31,6 +31,36 @@ pub struct SimLimits {
     pub rpm: u64,
     /// Enforcement window: the bucket holds this much of a minute's quota.
     pub window: Duration,
+}
+
+impl SimLimits {
+    /// `tpm` tokens and `rpm` requests per minute, enforced over 10 s as Azure does.
+    pub fn per_minute(tpm: u64, rpm: u64) -> SimLimits {
+        SimLimits {
+            tpm,
+            rpm,
+            window: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The chat request the tests and benchmarks drive through the simulation: about 100
+/// tokens by [`request_cost`] (their rates and thresholds are sized on it).
+pub const SAMPLE_CHAT: &[u8] = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}"#;
+
+/// Longest run of seconds, from `from` to the last whole second (the last one may be
+/// cut short), in which `f` is zero.
+pub fn longest_zero_run(seconds: &[Second], from: usize, f: impl Fn(&Second) -> u64) -> usize {
+    let (mut best, mut run) = (0, 0);
+    for s in &seconds[from..seconds.len().saturating_sub(1)] {
+        if f(s) == 0 {
+            run += 1;
+            best = best.max(run);
+        } else {
+            run = 0;
+        }
+    }
+    best
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -224,7 +254,7 @@ pub struct SimUpstream {
     backends: Arc<HashMap<String, Arc<SimBackend>>>,
 }
 
-/// What a simulated request costs: prompt bytes / 4 plus `max_tokens` (16 if unset).
+/// What a simulated request costs: body bytes / 4 plus `max_tokens` (16 if unset).
 pub fn request_cost(body: &[u8]) -> u64 {
     #[derive(serde::Deserialize, Default)]
     struct P {
@@ -407,7 +437,7 @@ pub async fn drive(
                 let status = resp.status().as_u16();
                 let backend = resp
                     .headers()
-                    .get("x-spillgate-backend")
+                    .get(crate::proxy::HEADER_BACKEND)
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_string);
                 let body = resp

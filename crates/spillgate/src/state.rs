@@ -1,8 +1,9 @@
 //! What the gateway has learnt about each backend: cooldowns and the last status.
 //!
-//! Read on every request by every connection, so it is lock-free: a cooldown is an atomic
-//! deadline in unix milliseconds, merged with `fetch_max` so that the later deadline wins
-//! even when two requests observe the same backend at once. Unix milliseconds (not
+//! Read on every request by every connection, so the cooldown check is lock-free: a
+//! cooldown is an atomic deadline in unix milliseconds, merged with `fetch_max` so that
+//! the later deadline wins even when two requests observe the same backend at once. The
+//! breaker window and the tracked capacity sit behind short per-backend mutexes. Unix milliseconds (not
 //! process-local instants) keep the values meaningful if they are shared between
 //! instances later.
 
@@ -130,6 +131,15 @@ impl Drop for ProbeGuard {
     }
 }
 
+/// What recording a cooldown did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cooled {
+    /// No cooldown was running: this one started it (what the metrics count).
+    pub started: bool,
+    /// Its deadline is now the backend's.
+    pub extended: bool,
+}
+
 /// How a backend looks at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Availability {
@@ -141,27 +151,23 @@ pub enum Availability {
 }
 
 impl BackendState {
-    /// Records one attempt in the breaker window of length `window`; returns the
-    /// window's `(total, failed)` counts. The window is cleared after a trip by the caller.
+    /// Records one attempt in the breaker window of length `window`. For a failure,
+    /// returns the window's `(total, failed)` counts, which decide a trip (a success
+    /// cannot trip, so its counts are not summed). The window is cleared after a trip by
+    /// the caller.
     pub fn breaker_record(
         &self,
         window: std::time::Duration,
         now_ms: u64,
         failed: bool,
-    ) -> (u64, u64) {
-        let Ok(mut slot) = self.breaker.lock() else {
-            return (0, 0);
-        };
+    ) -> Option<(u64, u64)> {
+        let mut slot = self.breaker.lock().ok()?;
         if slot.as_ref().is_none_or(|(w, _)| *w != window) {
-            *slot = Some((window, FailureWindow::new(window)));
+            *slot = None;
         }
-        match slot.as_mut() {
-            Some((_, w)) => {
-                w.record(now_ms, failed);
-                w.counts(now_ms)
-            }
-            None => (0, 0),
-        }
+        let (_, w) = slot.get_or_insert_with(|| (window, FailureWindow::new(window)));
+        w.record(now_ms, failed);
+        failed.then(|| w.counts(now_ms))
     }
 
     pub fn breaker_clear(&self) {
@@ -185,10 +191,6 @@ impl BackendState {
 
     pub fn is_recovering(&self) -> bool {
         self.recovering.load(Ordering::Acquire)
-    }
-
-    pub fn probe_in_flight(&self) -> bool {
-        self.probe_in_flight.load(Ordering::Acquire)
     }
 
     /// For a recovering backend, takes the probe slot; says when another request holds
@@ -217,13 +219,6 @@ impl BackendState {
     ) {
         if let Ok(mut c) = self.capacity.lock() {
             c.observe(headers, policy, now_ms);
-        }
-    }
-
-    /// Reserves an in-flight request's estimated tokens.
-    pub fn reserve(&self, tokens: u64) {
-        if let Ok(mut c) = self.capacity.lock() {
-            c.reserve(tokens);
         }
     }
 
@@ -257,10 +252,7 @@ impl BackendState {
     pub fn covers(&self, tokens: u64, now_ms: u64) -> bool {
         self.capacity
             .lock()
-            .map(|c| {
-                let (t, r) = c.available(now_ms);
-                t.is_none_or(|t| t >= tokens) && r.is_none_or(|r| r >= 1)
-            })
+            .map(|c| c.covers(tokens, now_ms))
             .unwrap_or(true)
     }
 
@@ -287,11 +279,8 @@ impl BackendState {
         if let Admission::Refuse(_) = admission {
             return None;
         }
-        if strict && admission == Admission::Admit {
-            let (t, r) = c.available(now_ms);
-            if !(t.is_none_or(|t| t >= tokens) && r.is_none_or(|r| r >= 1)) {
-                return None;
-            }
+        if strict && admission == Admission::Admit && !c.covers(tokens, now_ms) {
+            return None;
         }
         c.reserve(tokens);
         Some((
@@ -357,18 +346,27 @@ impl BackendState {
 
     /// Records a cooldown; the later deadline wins. Returns whether this one extended it.
     pub fn cool(&self, cooldown: Cooldown) -> bool {
+        self.cool_at(cooldown, u64::MAX).extended
+    }
+
+    /// [`BackendState::cool`], also saying whether this cooldown started one (none was
+    /// running at `now_ms`). Decided on the same atomic step, so of two requests that
+    /// cool a ready backend at once exactly one starts it.
+    pub fn cool_at(&self, cooldown: Cooldown, now_ms: u64) -> Cooled {
         self.recovering.store(true, Ordering::Release);
         let previous = self
             .cool_until_ms
             .fetch_max(cooldown.until_ms, Ordering::AcqRel);
-        if cooldown.until_ms > previous {
+        let extended = cooldown.until_ms > previous;
+        if extended {
             // A racing cooldown with a later deadline may store its reason after ours;
             // the reason is informational, the deadline is what routing reads.
             self.reason
                 .store(cooldown.reason.to_u8(), Ordering::Relaxed);
-            true
-        } else {
-            false
+        }
+        Cooled {
+            started: previous <= now_ms && extended,
+            extended,
         }
     }
 
@@ -410,6 +408,51 @@ mod tests {
         assert!(!s.is_ready(99));
         assert!(s.is_ready(100));
         assert_eq!(s.availability(100), Availability::Ready);
+    }
+
+    #[test]
+    fn only_the_cooldown_that_finds_the_backend_ready_starts_one() {
+        let s = Arc::new(BackendState::default());
+        let c = |until_ms| Cooldown {
+            until_ms,
+            reason: CoolReason::Throttled,
+        };
+        assert_eq!(
+            s.cool_at(c(100), 10),
+            Cooled {
+                started: true,
+                extended: true
+            }
+        );
+        // Running: a later deadline extends it, an earlier one changes nothing.
+        assert_eq!(
+            s.cool_at(c(200), 20),
+            Cooled {
+                started: false,
+                extended: true
+            }
+        );
+        assert_eq!(
+            s.cool_at(c(150), 30),
+            Cooled {
+                started: false,
+                extended: false
+            }
+        );
+        // Over: the next one starts a new cooldown.
+        assert!(s.cool_at(c(400), 200).started);
+        // Many threads cooling a ready backend at once: exactly one starts it.
+        let s = Arc::new(BackendState::default());
+        let started: usize = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..8)
+                .map(|i| {
+                    let s = Arc::clone(&s);
+                    scope.spawn(move || usize::from(s.cool_at(c(1_000 + i), 10).started))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(started, 1);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The HTTP client that talks to backends.
 //!
-//! hyper-util's pooled client over rustls (webpki roots, HTTP/1.1 and HTTP/2 by ALPN):
+//! hyper-util's pooled client over rustls (the system's CA store, else webpki roots;
+//! HTTP/1.1 and HTTP/2 by ALPN):
 //! the thinnest layer that gives connection reuse, so the proxy path adds as little as
 //! possible. The connect timeout lives in the connector; the time-to-first-byte timeout
 //! wraps each request; the idle timeout between body chunks wraps the response body.

@@ -216,6 +216,18 @@ impl Gw {
         let body = CHAT.replace("gpt-4o", model);
         self.send("/v1/chat/completions", &body).await
     }
+
+    /// The backend that served a chat request (`x-spillgate-backend`; empty if none did).
+    async fn served_by(&self) -> String {
+        let (_, headers, _) = self.chat().await;
+        h(&headers, "x-spillgate-backend").to_string()
+    }
+
+    /// The backend that served a chat request for `model`.
+    async fn served_by_model(&self, model: &str) -> String {
+        let (_, headers, _) = self.chat_model(model).await;
+        h(&headers, "x-spillgate-backend").to_string()
+    }
 }
 
 fn h<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
@@ -448,30 +460,19 @@ async fn breaker_trips_after_n_failures_and_a_single_probe_tests_recovery() {
     let before_b1 = gw.fake.hits("b1");
     let mut tasks = Vec::new();
     for _ in 0..50 {
-        let router = gw.router.clone();
-        tasks.push(tokio::spawn(async move {
-            let req = http::Request::post("/v1/chat/completions")
-                .header("api-key", KEY)
-                .body(Body::from(CHAT))
-                .unwrap();
-            let resp = router.oneshot(req).await.unwrap();
-            resp.headers()["x-spillgate-backend"]
-                .to_str()
-                .unwrap()
-                .to_string()
-        }));
+        tasks.push(spawn_chat(&gw, false, "gpt-4o").await);
     }
     let mut served = Vec::new();
     for t in tasks {
-        served.push(t.await.unwrap());
+        served.push(t.await.unwrap().1);
     }
     assert_eq!(gw.fake.hits("b0"), 4, "exactly one probe");
     assert_eq!(served.iter().filter(|b| *b == "b0").count(), 1);
+    assert_eq!(served.iter().filter(|b| *b == "b1").count(), 49);
     assert_eq!(gw.fake.hits("b1") - before_b1, 49);
     // The probe answered well: b0 is fully back for everyone.
     for _ in 0..10 {
-        let (_, headers, _) = gw.chat().await;
-        assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
+        assert_eq!(gw.served_by().await, "b0");
     }
 }
 
@@ -491,34 +492,14 @@ async fn after_a_cooldown_only_one_probe_goes_until_it_answers() {
     gw.chat().await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     // First request after the cooldown is the probe (slow); others go to b1 meanwhile.
-    let router = gw.router.clone();
-    let probe = tokio::spawn(async move {
-        let req = http::Request::post("/v1/chat/completions")
-            .header("api-key", KEY)
-            .body(Body::from(CHAT))
-            .unwrap();
-        router.oneshot(req).await.unwrap().headers()["x-spillgate-backend"]
-            .to_str()
-            .unwrap()
-            .to_string()
-    });
+    let probe = spawn_chat(&gw, false, "gpt-4o").await;
     tokio::task::yield_now().await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     for _ in 0..5 {
-        let (_, headers, _) = gw.chat().await;
-        assert_eq!(
-            h(&headers, "x-spillgate-backend"),
-            "b1",
-            "the probe is in flight"
-        );
+        assert_eq!(gw.served_by().await, "b1", "the probe is in flight");
     }
-    assert_eq!(probe.await.unwrap(), "b0");
-    let (_, headers, _) = gw.chat().await;
-    assert_eq!(
-        h(&headers, "x-spillgate-backend"),
-        "b0",
-        "back after the probe answered"
-    );
+    assert_eq!(probe.await.unwrap().1, "b0");
+    assert_eq!(gw.served_by().await, "b0", "back after the probe answered");
 }
 
 #[tokio::test(start_paused = true)]
@@ -543,8 +524,7 @@ async fn a_failed_probe_cools_the_backend_again() {
         "probe failed, moved on"
     );
     for _ in 0..3 {
-        let (_, headers, _) = gw.chat().await;
-        assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+        assert_eq!(gw.served_by().await, "b1");
     }
     assert_eq!(gw.fake.hits("b0"), 2);
 }
@@ -565,8 +545,7 @@ async fn active_health_checks_cool_a_failing_backend() {
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].path, "/openai/models?api-version=2024-10-21");
     // No client request has touched b0, yet it is cooling and traffic goes to b1.
-    let (_, headers, _) = gw.chat().await;
-    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    assert_eq!(gw.served_by().await, "b1");
     assert_eq!(gw.fake.hits("b0"), 1);
     let snap = gw.app.snapshot.load();
     assert_eq!(
@@ -617,14 +596,12 @@ async fn routes_send_each_model_to_its_pool() {
     let (_, headers, _) = gw.chat_model("gpt-35-turbo-16k").await;
     assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
     assert_eq!(h(&headers, "x-spillgate-model"), "gpt-35-turbo-16k");
-    let (_, headers, _) = gw.chat_model("gpt-4o").await;
     assert_eq!(
-        h(&headers, "x-spillgate-backend"),
+        gw.served_by_model("gpt-4o").await,
         "b1",
         "glob route, its own tier 1"
     );
-    let (_, headers, _) = gw.chat_model("ada").await;
-    assert_eq!(h(&headers, "x-spillgate-backend"), "b2", "catch-all route");
+    assert_eq!(gw.served_by_model("ada").await, "b2", "catch-all route");
     let paths: Vec<String> = gw.fake.calls().into_iter().map(|c| c.path).collect();
     assert_eq!(
         paths[0],
@@ -633,8 +610,7 @@ async fn routes_send_each_model_to_its_pool() {
     // Per-pool tiers: b1 is priority 2 for turbo-16k but priority 1 for gpt-4o.
     gw.fake
         .script("b0", vec![st(429).header("retry-after", "30")]);
-    let (_, headers, _) = gw.chat_model("gpt-35-turbo-16k").await;
-    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+    assert_eq!(gw.served_by_model("gpt-35-turbo-16k").await, "b1");
 }
 
 #[tokio::test(start_paused = true)]
@@ -716,32 +692,19 @@ async fn a_429_cools_only_that_deployment_not_the_resource() {
     let gw = gateway(&[TWO_DEPLOYMENTS, "priority = 2"], "");
     gw.fake
         .script("b0", vec![st(429).header("retry-after", "30")]);
-    let (_, headers, _) = gw.chat_model("emb").await;
-    assert_eq!(
-        h(&headers, "x-spillgate-backend"),
-        "b1",
-        "emb throttled on b0"
-    );
+    assert_eq!(gw.served_by_model("emb").await, "b1", "emb throttled on b0");
     // Azure's quota is per deployment: b0's chat deployment still has its own.
-    let (_, headers, _) = gw.chat_model("gpt-4o").await;
-    assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
-    let (_, headers, _) = gw.chat_model("emb").await;
-    assert_eq!(
-        h(&headers, "x-spillgate-backend"),
-        "b1",
-        "emb still cooling"
-    );
+    assert_eq!(gw.served_by_model("gpt-4o").await, "b0");
+    assert_eq!(gw.served_by_model("emb").await, "b1", "emb still cooling");
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_connection_failure_cools_the_whole_resource() {
     let gw = gateway(&[TWO_DEPLOYMENTS, "priority = 2"], "");
     gw.fake.script("b0", vec![st(0)]);
-    let (_, headers, _) = gw.chat_model("emb").await;
-    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
-    let (_, headers, _) = gw.chat_model("gpt-4o").await;
+    assert_eq!(gw.served_by_model("emb").await, "b1");
     assert_eq!(
-        h(&headers, "x-spillgate-backend"),
+        gw.served_by_model("gpt-4o").await,
         "b1",
         "the resource is unreachable"
     );
@@ -763,12 +726,7 @@ async fn a_deadline_that_fires_does_not_blame_the_backend() {
         snap.backends[0].cooldown_for("gpt-4o", gw.app.clock.now_ms()),
         None
     );
-    let (_, headers, _) = gw.chat().await;
-    assert_eq!(
-        h(&headers, "x-spillgate-backend"),
-        "b0",
-        "b0 was never cooled"
-    );
+    assert_eq!(gw.served_by().await, "b0", "b0 was never cooled");
 }
 
 #[tokio::test(start_paused = true)]
@@ -779,18 +737,11 @@ async fn cooldown_on_decides_which_failures_take_a_backend_out() {
         "[cooldown]\non = [\"429\", \"502\", \"503\", \"504\", \"connect-error\"]\n",
     );
     gw.fake.script("b0", vec![st(500)]);
-    let (_, headers, _) = gw.chat().await;
-    assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
-    let (_, headers, _) = gw.chat().await;
-    assert_eq!(
-        h(&headers, "x-spillgate-backend"),
-        "b0",
-        "a 500 did not cool b0"
-    );
+    assert_eq!(gw.served_by().await, "b1");
+    assert_eq!(gw.served_by().await, "b0", "a 500 did not cool b0");
     gw.fake.script("b0", vec![st(503)]);
     gw.chat().await;
-    let (_, headers, _) = gw.chat().await;
-    assert_eq!(h(&headers, "x-spillgate-backend"), "b1", "a 503 did");
+    assert_eq!(gw.served_by().await, "b1", "a 503 did");
 }
 
 #[tokio::test(start_paused = true)]
@@ -816,25 +767,14 @@ async fn traffic_returns_to_priority_1_when_its_cooldown_ends() {
     gw.fake
         .script("b0", vec![st(429).header("retry-after", "5")]);
     for _ in 0..3 {
-        let (_, headers, _) = gw.chat().await;
-        assert_eq!(h(&headers, "x-spillgate-backend"), "b1");
+        assert_eq!(gw.served_by().await, "b1");
     }
     tokio::time::sleep(Duration::from_millis(4_900)).await;
-    let (_, headers, _) = gw.chat().await;
-    assert_eq!(
-        h(&headers, "x-spillgate-backend"),
-        "b1",
-        "still cooling at 4.9 s"
-    );
+    assert_eq!(gw.served_by().await, "b1", "still cooling at 4.9 s");
     // 5 s plus at most 0.5 s of jitter.
     tokio::time::sleep(Duration::from_millis(600)).await;
     for _ in 0..3 {
-        let (_, headers, _) = gw.chat().await;
-        assert_eq!(
-            h(&headers, "x-spillgate-backend"),
-            "b0",
-            "back on priority 1"
-        );
+        assert_eq!(gw.served_by().await, "b0", "back on priority 1");
     }
 }
 
@@ -940,10 +880,18 @@ async fn a_cancelled_request_gives_its_reservation_back() {
     gw.fake.default("b0", full(ok()));
     let (s, _, _) = gw.chat().await;
     assert_eq!(s, 200);
-    // ... yet a low-priority request is refused for priority, forever.
-    let (s, body) = spawn_chat(&gw, true, "gpt-4o").await.await.unwrap();
-    println!("low-priority after idle: {s} {body}");
+    // ... so a low-priority request is admitted. With the 50 reservations leaked, only
+    // 50 of the 100 requests would look free, short of the 60 kept for high priority
+    // plus its own: it would be refused for priority, forever.
+    let (s, backend) = spawn_chat(&gw, true, "gpt-4o").await.await.unwrap();
+    println!("low-priority after idle: {s} {backend}");
     assert_eq!(cap.inflight_requests, 0, "reservations leaked");
+    assert_eq!(cap.inflight_tokens, 0, "reserved tokens leaked");
+    assert_eq!(
+        (s, backend.as_str()),
+        (200, "b0"),
+        "the low-priority request is admitted"
+    );
 }
 
 // A same-backend retry after a slow attempt never waits past the deadline.
@@ -990,28 +938,26 @@ async fn a_same_backend_retry_respects_a_trip_in_between() {
 // A fallback to another deployment on the same resource is tried in the same request.
 #[tokio::test(start_paused = true)]
 async fn a_fallback_deployment_on_the_same_resource_is_tried() {
+    const CHAT_PATH: &str = "/openai/deployments/chat/chat/completions?api-version=2024-10-21";
+    const MINI_PATH: &str = "/openai/deployments/mini/chat/completions?api-version=2024-10-21";
     let gw = gateway(
         &["deployments = { \"gpt-4o\" = \"chat\", \"gpt-4o-mini\" = \"mini\" }"],
         "[[routes]]\nmodels = [\"gpt-4o\"]\nbackends = [\"b0\"]\nfallback = [\"gpt-4o-mini\"]\n[[routes]]\nmodels = [\"gpt-4o-mini\"]\nbackends = [\"b0\"]\n",
     );
     gw.fake
         .script("b0", vec![st(429).header("retry-after", "30")]);
+    let paths = || -> Vec<String> { gw.fake.calls().into_iter().map(|c| c.path).collect() };
     let (status, headers, body) = gw.chat().await;
-    println!(
-        "first: {status} model={} {body}; calls {:?}",
-        h(&headers, "x-spillgate-model"),
-        gw.fake
-            .calls()
-            .iter()
-            .map(|c| c.path.clone())
-            .collect::<Vec<_>>()
-    );
-    let (status2, headers2, _) = gw.chat().await;
-    println!(
-        "second: {status2} model={}",
-        h(&headers2, "x-spillgate-model")
-    );
     assert_eq!(status, 200, "fallback gpt-4o-mini on b0 was available");
+    assert_eq!(h(&headers, "x-spillgate-backend"), "b0");
+    assert_eq!(h(&headers, "x-spillgate-model"), "gpt-4o-mini");
+    assert_eq!(body, r#"{"from":"b0"}"#);
+    assert_eq!(paths(), [CHAT_PATH, MINI_PATH], "chat throttled, then mini");
+    // While chat cools, the next request goes to the fallback deployment directly.
+    let (status2, headers2, _) = gw.chat().await;
+    assert_eq!(status2, 200);
+    assert_eq!(h(&headers2, "x-spillgate-model"), "gpt-4o-mini");
+    assert_eq!(paths(), [CHAT_PATH, MINI_PATH, MINI_PATH]);
 }
 
 // A success of a request sent before the cooldown does not end the recovery: one probe.
@@ -1070,25 +1016,24 @@ async fn concurrent_low_priority_requests_cannot_share_one_free_slot() {
     let before = gw.fake.hits("b0");
     let mut tasks = Vec::new();
     for _ in 0..400 {
-        let router = gw.router.clone();
-        tasks.push(tokio::spawn(async move {
-            let req = http::Request::post("/v1/chat/completions")
-                .header("api-key", KEY)
-                .header("x-priority", "low")
-                .body(Body::from(CHAT))
-                .unwrap();
-            router.oneshot(req).await.unwrap().status().as_u16()
-        }));
+        tasks.push(spawn_chat(&gw, true, "gpt-4o").await);
     }
     let mut ok = 0;
     for t in tasks {
-        if t.await.unwrap() == 200 {
+        if t.await.unwrap().0 == 200 {
             ok += 1;
         }
     }
     let sent = gw.fake.hits("b0") - before;
     println!("admitted {sent} low-priority requests against 10 free (200s: {ok})");
     assert!(sent <= 10);
+    // The first to arrive found 10 free (no reserve kept), and every admitted request
+    // was answered 200 by the only backend.
+    assert!(sent >= 1, "nothing admitted against 10 free");
+    assert_eq!(
+        ok, sent,
+        "admitted requests succeed, refused ones are not 200"
+    );
 }
 
 // `when_all_cooling = "wait"`: waiters behind a probe keep waiting instead of failing.

@@ -16,27 +16,22 @@ use axum::body::Body;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use spillgate::app::App;
-use spillgate::sim::{drive, Second, SimLimits, SimUpstream};
+use spillgate::sim::{drive, longest_zero_run, Second, SimLimits, SimUpstream};
 use tower::ServiceExt;
 
 const KEY: &str = "client-key";
 
 /// ~100 tokens per request in the simulation: prompt bytes / 4 plus max_tokens.
 fn body() -> Bytes {
-    Bytes::from_static(br#"{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}"#)
+    Bytes::from_static(spillgate::sim::SAMPLE_CHAT)
 }
 
 fn cost() -> u64 {
     spillgate::sim::request_cost(&body())
 }
 
-/// A deployment of `tpm` tokens and `rpm` requests per minute, enforced over 10 s.
 fn limits(tpm: u64, rpm: u64) -> Option<SimLimits> {
-    Some(SimLimits {
-        tpm,
-        rpm,
-        window: Duration::from_secs(10),
-    })
+    Some(SimLimits::per_minute(tpm, rpm))
 }
 
 const LATENCY: Duration = Duration::from_millis(300);
@@ -58,20 +53,6 @@ fn gateway(
 
 fn total(seconds: &[Second], f: impl Fn(&Second) -> u64) -> u64 {
     seconds.iter().map(f).sum()
-}
-
-/// Longest run of seconds, after `from`, in which `f` is zero.
-fn longest_zero_run(seconds: &[Second], from: usize, f: impl Fn(&Second) -> u64) -> usize {
-    let (mut best, mut run) = (0, 0);
-    for s in &seconds[from..seconds.len().saturating_sub(1)] {
-        if f(s) == 0 {
-            run += 1;
-            best = best.max(run);
-        } else {
-            run = 0;
-        }
-    }
-    best
 }
 
 #[tokio::test(start_paused = true)]
