@@ -8,6 +8,7 @@ pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod check;
+pub mod coalesce;
 pub mod demo;
 pub mod errors;
 pub mod health;

@@ -343,7 +343,7 @@ impl<B> UsageTap<B> {
         let Some(payload) = sse_data(event) else {
             return false;
         };
-        if !payload.windows(8).any(|w| w == b"\"usage\":") {
+        if memchr::memmem::find(payload, USAGE_KEY).is_none() {
             return false;
         }
         let Some(total) = usage_total(payload) else {
@@ -353,57 +353,86 @@ impl<B> UsageTap<B> {
         self.strip_usage_chunk && is_usage_only_chunk(payload)
     }
 
-    /// Splits complete SSE events off `pending`; returns the bytes to pass on (all of
-    /// them but a dropped usage chunk).
-    fn take_events(&mut self) -> Bytes {
-        let mut out = BytesMut::new();
-        while let Some(end) = find_event_end(&self.pending) {
-            let event = self.pending.split_to(end);
-            if !self.read_event(&event) {
-                out.extend_from_slice(&event);
-            }
+    /// Passes on the complete events of `data` (after the tail `pending` held), reading
+    /// their usage and leaving out the usage-only chunk; the unfinished tail stays in
+    /// `pending`. Chunks without usage (all but the last few of a stream) go on as they
+    /// came, without a copy.
+    fn pass_events(&mut self, data: Bytes) -> Bytes {
+        let buf = if self.pending.is_empty() {
+            data
+        } else {
+            self.pending.extend_from_slice(&data);
+            self.pending.split().freeze()
+        };
+        let end = last_event_end(&buf);
+        self.pending.extend_from_slice(&buf[end..]);
+        let complete = buf.slice(..end);
+        if memchr::memmem::find(&complete, USAGE_KEY).is_none() {
+            return complete;
         }
+        let mut out = BytesMut::with_capacity(complete.len());
+        let mut rest: &[u8] = &complete;
+        while let Some(e) = find_event_end(rest) {
+            if !self.read_event(&rest[..e]) {
+                out.extend_from_slice(&rest[..e]);
+            }
+            rest = &rest[e..];
+        }
+        out.extend_from_slice(rest);
         out.freeze()
     }
 
     /// Reads the events `data` completes without holding any byte back: only the
     /// unfinished tail stays in `pending`.
     fn observe(&mut self, data: &[u8]) {
-        let mut rest = data;
-        if !self.pending.is_empty() {
-            self.pending.extend_from_slice(rest);
-            while let Some(end) = find_event_end(&self.pending) {
-                let event = self.pending.split_to(end);
-                self.read_event(&event);
-            }
+        if self.pending.is_empty() {
+            let end = last_event_end(data);
+            self.read_events(&data[..end]);
+            self.pending.extend_from_slice(&data[end..]);
+        } else {
+            self.pending.extend_from_slice(data);
+            let end = last_event_end(&self.pending);
+            let complete = self.pending.split_to(end);
+            self.read_events(&complete);
+        }
+    }
+
+    /// Reads the usage of a run of complete events; most runs carry none and are
+    /// settled by one search.
+    fn read_events(&mut self, complete: &[u8]) {
+        if memchr::memmem::find(complete, USAGE_KEY).is_none() {
             return;
         }
-        while let Some(end) = find_event_end(rest) {
-            self.read_event(&rest[..end]);
-            rest = &rest[end..];
+        let mut rest = complete;
+        while let Some(e) = find_event_end(rest) {
+            self.read_event(&rest[..e]);
+            rest = &rest[e..];
         }
-        self.pending.extend_from_slice(rest);
     }
 }
 
+/// What marks the one chunk of a stream worth parsing.
+const USAGE_KEY: &[u8] = b"\"usage\":";
+
 /// End (exclusive) of the first complete event: after its blank line (`\n\n` or
-/// `\r\n\r\n`), found in one pass over the line feeds.
+/// `\r\n\r\n`).
 fn find_event_end(buf: &[u8]) -> Option<usize> {
-    let mut from = 0;
-    while let Some(i) = buf[from..]
-        .iter()
-        .position(|c| *c == b'\n')
-        .map(|i| i + from)
-    {
-        if buf.get(i + 1) == Some(&b'\n') {
-            return Some(i + 2);
-        }
-        if i >= 1 && buf[i - 1] == b'\r' && buf.get(i + 1..i + 3) == Some(b"\r\n") {
-            return Some(i + 3);
-        }
-        from = i + 1;
-    }
-    None
+    memchr::memchr_iter(b'\n', buf).find_map(|i| blank_line_ends_at(buf, i))
+}
+
+/// End (exclusive) of the last complete event, 0 when none is complete: everything
+/// before it is whole events.
+fn last_event_end(buf: &[u8]) -> usize {
+    memchr::memrchr_iter(b'\n', buf)
+        .find_map(|i| blank_line_ends_at(buf, i))
+        .unwrap_or(0)
+}
+
+/// Whether the line feed at `i` ends a blank line (after `\n` or `\r\n\r`): the
+/// end of an event, returned as the index after it.
+fn blank_line_ends_at(buf: &[u8], i: usize) -> Option<usize> {
+    let blank = (i >= 1 && buf[i - 1] == b'\n') || (i >= 3 && &buf[i - 3..i] == b"\r\n\r");
+    blank.then_some(i + 1)
 }
 
 /// The `data:` payload of a one-line SSE event.
@@ -476,8 +505,7 @@ where
                         this.observe(&data);
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    this.pending.extend_from_slice(&data);
-                    let out = this.take_events();
+                    let out = this.pass_events(data);
                     if !out.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(out))));
                     }
@@ -699,6 +727,35 @@ mod tests {
         assert_eq!(find_event_end(b"a\nb\r\nc\n"), None);
         assert_eq!(find_event_end(b"\n"), None);
         assert_eq!(find_event_end(b""), None);
+        assert_eq!(last_event_end(b"data: x\n\ndata: y\n\ndata: z"), 18);
+        assert_eq!(last_event_end(b"a\r\n\r\nb\r\n"), 5);
+        assert_eq!(last_event_end(b"data: x\n"), 0);
+        assert_eq!(last_event_end(b""), 0);
+    }
+
+    #[test]
+    fn chunks_without_usage_pass_without_a_copy_and_split_events_are_joined() {
+        let mut tap = UsageTap::new(
+            http_body_util::Empty::<Bytes>::new(),
+            true,
+            false,
+            true,
+            Box::new(|_| {}),
+        );
+        let chunk = Bytes::from_static(b"data: {\"a\":1}\n\ndata: {\"a\":2}\n\ndata: {\"us");
+        let out = tap.pass_events(chunk.clone());
+        assert_eq!(&out[..], &chunk[..30]);
+        assert_eq!(
+            out.as_ptr(),
+            chunk.as_ptr(),
+            "passed on as a slice of the input"
+        );
+        let usage = "age\":null}\n\ndata: {\"choices\":[],\"usage\":{\"total_tokens\":7}}\n\ndata: [DONE]\n\n";
+        let out = tap.pass_events(Bytes::from(usage));
+        // The event split over two chunks is whole again; the usage-only chunk is left out.
+        assert_eq!(&out[..], b"data: {\"usage\":null}\n\ndata: [DONE]\n\n");
+        assert_eq!(tap.usage, Some(7));
+        assert!(tap.pending.is_empty());
     }
 
     #[tokio::test]

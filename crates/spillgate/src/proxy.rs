@@ -1454,6 +1454,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             let body = Body::new(crate::priority::UsageTap::new(
                 body, sse, json_body, strip, on_usage,
             ));
+            let body = crate::coalesce::Coalesce::new(body);
             let mut resp = Response::new(Body::new(TimeoutBody::new(idle, body)));
             *resp.status_mut() = parts.status;
             *resp.headers_mut() = headers;

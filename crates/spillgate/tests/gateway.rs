@@ -528,6 +528,26 @@ async fn sse_bytes_pass_through_unchanged_whatever_the_framing() {
     assert_eq!(body, odd.as_bytes());
 }
 
+/// A backend that sends a whole stream at once (a fast local server, a cached answer)
+/// gets it to the client in a few writes, not one write per chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_chunks_that_arrive_together_leave_together() {
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    env.mocks[0].push_script(vec![Reply::stream(100, 0)]);
+    let mut body = open_stream(&env).await;
+    let (mut frames, mut text) = (0, String::new());
+    while let Some(frame) = body.frame().await {
+        if let Ok(d) = frame.unwrap().into_data() {
+            frames += 1;
+            text.push_str(&String::from_utf8_lossy(&d));
+        }
+    }
+    assert_eq!(text.matches("data: {").count(), 100);
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    // Frame by frame it would be 102 (100 chunks, the usage chunk, [DONE]).
+    assert!(frames <= 20, "{frames} frames for a stream sent in one go");
+}
+
 #[tokio::test]
 async fn mid_stream_break_ends_the_client_stream_without_done() {
     let env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
