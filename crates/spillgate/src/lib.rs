@@ -9,6 +9,7 @@ pub mod app;
 pub mod auth;
 pub mod check;
 pub mod demo;
+pub mod entra;
 pub mod errors;
 pub mod health;
 pub mod metrics;
