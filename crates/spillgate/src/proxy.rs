@@ -1722,7 +1722,9 @@ fn exhausted_error(ctx: &Ctx<'_>, failures: &[Outcome], now_ms: u64) -> GatewayE
             .filter(|c| c.reason == CoolReason::Auth)
             .count();
         let why = if no_token > 0 {
-            format!("failing or cooling down, {no_token} of them for lack of an Entra ID token")
+            format!(
+                "failing or cooling down, {no_token} of them for lack of a usable Entra ID token"
+            )
         } else {
             "failing or cooling down".to_string()
         };
