@@ -264,6 +264,8 @@ pub struct FileCooldown {
     #[serde(default, with = "humantime_serde")]
     pub default_connect: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
+    pub default_auth: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
     pub max: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub max_jitter: Option<Duration>,
@@ -331,11 +333,56 @@ pub struct FileBackend {
     #[serde(default)]
     pub weight: Option<i64>,
     pub api_key: Option<String>,
+    /// An Entra ID credential instead of `api_key`.
+    pub auth: Option<FileBackendAuth>,
     pub deployments: Option<BTreeMap<String, String>>,
     pub circuit_breaker: Option<FileBreaker>,
     pub health_check: Option<FileHealthCheck>,
     pub azure_api: Option<AzureApi>,
     pub api_version: Option<String>,
+}
+
+/// `auth = { entra = "...", ... }`: how the gateway obtains Microsoft Entra ID tokens for a
+/// backend. Which of the other keys apply depends on `entra`; validation says which.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileBackendAuth {
+    pub entra: EntraKind,
+    pub client_id: Option<String>,
+    pub object_id: Option<String>,
+    pub resource_id: Option<String>,
+    pub tenant_id: Option<String>,
+    pub client_secret: Option<String>,
+    pub token_file: Option<String>,
+    pub authority_host: Option<String>,
+    pub scope: Option<String>,
+}
+
+/// The kinds of Entra ID credential a backend can use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EntraKind {
+    /// The managed identity of the Azure resource the gateway runs on (VM, App Service,
+    /// Container Apps, Functions): system-assigned, or user-assigned with an id.
+    ManagedIdentity,
+    /// AKS workload identity: a federated Kubernetes service account token.
+    WorkloadIdentity,
+    /// A service principal with a client secret.
+    ClientSecret,
+    /// The Azure CLI's login (`az login`), for running on a developer machine.
+    Developer,
+}
+
+impl EntraKind {
+    /// The name as written in the config file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EntraKind::ManagedIdentity => "managed-identity",
+            EntraKind::WorkloadIdentity => "workload-identity",
+            EntraKind::ClientSecret => "client-secret",
+            EntraKind::Developer => "developer",
+        }
+    }
 }
 
 /// Which Azure OpenAI API a backend is called with when the client's request does not
@@ -375,7 +422,7 @@ impl BackendKind {
 // ---------------------------------------------------------------------------------------
 
 /// A resolved secret. Its `Debug` never shows the value, so it cannot leak through logs.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Secret(String);
 
 impl Secret {
@@ -390,6 +437,114 @@ impl Secret {
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Secret(***)")
+    }
+}
+
+/// The scope Azure OpenAI (and the other Azure AI services) accept tokens for.
+pub const DEFAULT_ENTRA_SCOPE: &str = "https://cognitiveservices.azure.com/.default";
+
+/// A backend's Entra ID credential and the scope its tokens are requested for. Backends
+/// whose `EntraAuth` is equal share one token.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct EntraAuth {
+    pub credential: EntraCredential,
+    pub scope: String,
+}
+
+/// A user-assigned managed identity, by one of its three ids.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ManagedIdentityId {
+    ClientId(String),
+    ObjectId(String),
+    ResourceId(String),
+}
+
+/// A validated Entra ID credential.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum EntraCredential {
+    /// System-assigned when `id` is `None`.
+    ManagedIdentity { id: Option<ManagedIdentityId> },
+    /// Values left out come from `AZURE_TENANT_ID`, `AZURE_CLIENT_ID` and
+    /// `AZURE_FEDERATED_TOKEN_FILE` (set by the AKS workload identity webhook).
+    WorkloadIdentity {
+        tenant_id: Option<String>,
+        client_id: Option<String>,
+        token_file: Option<String>,
+        authority_host: Option<String>,
+    },
+    ClientSecret {
+        tenant_id: String,
+        client_id: String,
+        client_secret: Secret,
+        /// Where the secret came from (`env:NAME` / `file:/path`), for display.
+        secret_from: String,
+        authority_host: Option<String>,
+    },
+    /// The Azure CLI's current login, optionally in another tenant.
+    Developer { tenant_id: Option<String> },
+}
+
+impl EntraCredential {
+    pub fn kind(&self) -> EntraKind {
+        match self {
+            EntraCredential::ManagedIdentity { .. } => EntraKind::ManagedIdentity,
+            EntraCredential::WorkloadIdentity { .. } => EntraKind::WorkloadIdentity,
+            EntraCredential::ClientSecret { .. } => EntraKind::ClientSecret,
+            EntraCredential::Developer { .. } => EntraKind::Developer,
+        }
+    }
+
+    /// One line for operators: which identity, never a secret.
+    pub fn describe(&self) -> String {
+        match self {
+            EntraCredential::ManagedIdentity { id: None } => {
+                "managed identity (system-assigned)".to_string()
+            }
+            EntraCredential::ManagedIdentity { id: Some(id) } => {
+                let (k, v) = match id {
+                    ManagedIdentityId::ClientId(v) => ("client_id", v),
+                    ManagedIdentityId::ObjectId(v) => ("object_id", v),
+                    ManagedIdentityId::ResourceId(v) => ("resource_id", v),
+                };
+                format!("managed identity (user-assigned, {k} {v})")
+            }
+            EntraCredential::WorkloadIdentity {
+                tenant_id,
+                client_id,
+                token_file,
+                ..
+            } => format!(
+                "workload identity (tenant {}, client {}, token file {})",
+                tenant_id.as_deref().unwrap_or("from AZURE_TENANT_ID"),
+                client_id.as_deref().unwrap_or("from AZURE_CLIENT_ID"),
+                token_file
+                    .as_deref()
+                    .unwrap_or("from AZURE_FEDERATED_TOKEN_FILE"),
+            ),
+            EntraCredential::ClientSecret {
+                tenant_id,
+                client_id,
+                secret_from,
+                ..
+            } => format!(
+                "service principal with client secret (tenant {tenant_id}, client {client_id}, secret from {secret_from})"
+            ),
+            EntraCredential::Developer { tenant_id: None } => {
+                "developer login (Azure CLI)".to_string()
+            }
+            EntraCredential::Developer {
+                tenant_id: Some(t),
+            } => format!("developer login (Azure CLI, tenant {t})"),
+        }
+    }
+
+    /// The authority host set in the config, for the kinds that talk to Entra directly.
+    pub fn authority_host(&self) -> Option<&str> {
+        match self {
+            EntraCredential::WorkloadIdentity { authority_host, .. }
+            | EntraCredential::ClientSecret { authority_host, .. } => authority_host.as_deref(),
+            _ => None,
+        }
     }
 }
 
@@ -490,6 +645,8 @@ pub struct CooldownPolicy {
     pub default_429: Duration,
     pub default_5xx: Duration,
     pub default_connect: Duration,
+    /// After a backend rejects (401) a token that was just refreshed.
+    pub default_auth: Duration,
     pub max: Duration,
     /// Cooldown ends are pushed back by a random 0-10% of the cooldown, at most this
     /// much, so many requests (and gateway instances) do not return to a recovering
@@ -636,6 +793,8 @@ pub struct BackendConfig {
     pub priority: u32,
     pub weight: u32,
     pub api_key: Option<Secret>,
+    /// An Entra ID credential, used instead of `api_key` (never both).
+    pub entra: Option<EntraAuth>,
     /// Model name (what clients ask for) -> name on this backend. `None` = serves any
     /// model under its own name.
     pub deployments: Option<BTreeMap<String, String>>,
@@ -682,6 +841,7 @@ impl Default for CooldownPolicy {
             default_429: Duration::from_secs(10),
             default_5xx: Duration::from_secs(10),
             default_connect: Duration::from_secs(10),
+            default_auth: Duration::from_secs(30),
             max: Duration::from_secs(300),
             max_jitter: Duration::from_secs(1),
         }
@@ -783,6 +943,222 @@ fn resolve_secret(
         );
         None
     }
+}
+
+/// An id as Entra writes them (tenant, client, object ids): letters, digits, `-` and `.`
+/// (tenant domain names such as `contoso.onmicrosoft.com` too).
+fn is_entra_id(v: &str) -> bool {
+    !v.is_empty()
+        && v.len() <= 256
+        && v.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'.')
+}
+
+/// A token scope such as `https://cognitiveservices.azure.com/.default`: the characters the
+/// Azure SDK accepts in one.
+fn is_scope(v: &str) -> bool {
+    !v.is_empty()
+        && v.len() <= 512
+        && v.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'-' | b'_' | b':' | b'/'))
+}
+
+/// An Entra authority host: `https://login.microsoftonline.us` and the like. Plain `http`
+/// is accepted for a loopback address only (a local token service or a test double).
+fn authority_host(raw: &str, path: &str, errors: &mut Errors) -> Option<String> {
+    let parsed = match url::Url::parse(raw) {
+        Ok(u) => u,
+        Err(e) => {
+            errors.push(path, format!("not a valid URL ({e}): {raw:?}"));
+            return None;
+        }
+    };
+    let loopback = match parsed.host() {
+        Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
+    };
+    let ok_scheme = parsed.scheme() == "https" || (parsed.scheme() == "http" && loopback);
+    if !ok_scheme {
+        errors.push(
+            path,
+            format!(
+                "must be an https URL such as \"https://login.microsoftonline.us\" (http only for a loopback address), got {raw:?}"
+            ),
+        );
+        return None;
+    }
+    if !parsed.path().trim_end_matches('/').is_empty()
+        || parsed.query().is_some()
+        || parsed.fragment().is_some()
+        || !parsed.username().is_empty()
+    {
+        errors.push(
+            path,
+            "must be the authority's scheme, host and port only, without a path",
+        );
+        return None;
+    }
+    Some(raw.trim_end_matches('/').to_string())
+}
+
+/// Validates `auth = { entra = ... }`: which keys each kind takes, the ids' shapes, the
+/// client secret reference and the scope.
+fn validate_entra(
+    a: &FileBackendAuth,
+    path: &str,
+    errors: &mut Errors,
+    lookup_env: &dyn Fn(&str) -> Option<String>,
+    read_file: &dyn Fn(&str) -> Result<String, String>,
+) -> Option<EntraAuth> {
+    let kind = a.entra;
+    let n_before = errors.0.len();
+    let field = |f: &str| format!("{path}.{f}");
+    // Keys that do not apply to this kind are errors, not silently ignored.
+    let given: [(&str, bool); 8] = [
+        ("client_id", a.client_id.is_some()),
+        ("object_id", a.object_id.is_some()),
+        ("resource_id", a.resource_id.is_some()),
+        ("tenant_id", a.tenant_id.is_some()),
+        ("client_secret", a.client_secret.is_some()),
+        ("token_file", a.token_file.is_some()),
+        ("authority_host", a.authority_host.is_some()),
+        ("scope", a.scope.is_some()),
+    ];
+    let allowed: &[&str] = match kind {
+        EntraKind::ManagedIdentity => &["client_id", "object_id", "resource_id", "scope"],
+        EntraKind::WorkloadIdentity => &[
+            "client_id",
+            "tenant_id",
+            "token_file",
+            "authority_host",
+            "scope",
+        ],
+        EntraKind::ClientSecret => &[
+            "client_id",
+            "tenant_id",
+            "client_secret",
+            "authority_host",
+            "scope",
+        ],
+        EntraKind::Developer => &["tenant_id", "scope"],
+    };
+    for (name, set) in given {
+        if set && !allowed.contains(&name) {
+            errors.push(
+                field(name),
+                format!("does not apply to entra = \"{}\"", kind.as_str()),
+            );
+        }
+    }
+    for (name, value) in [
+        ("client_id", &a.client_id),
+        ("object_id", &a.object_id),
+        ("tenant_id", &a.tenant_id),
+    ] {
+        if let Some(v) = value {
+            if !is_entra_id(v) {
+                errors.push(
+                    field(name),
+                    format!("is not an Entra ID (letters, digits, '-' and '.'), got {v:?}"),
+                );
+            }
+        }
+    }
+    if let Some(r) = &a.resource_id {
+        if !r.starts_with('/') || r.len() > 1024 || r.chars().any(char::is_whitespace) {
+            errors.push(
+                field("resource_id"),
+                "must be an Azure resource id such as \"/subscriptions/.../userAssignedIdentities/NAME\"",
+            );
+        }
+    }
+    let scope = a
+        .scope
+        .clone()
+        .unwrap_or_else(|| DEFAULT_ENTRA_SCOPE.to_string());
+    if !is_scope(&scope) {
+        errors.push(
+            field("scope"),
+            format!("is not a token scope such as \"{DEFAULT_ENTRA_SCOPE}\", got {scope:?}"),
+        );
+    }
+    let authority = a
+        .authority_host
+        .as_deref()
+        .filter(|_| allowed.contains(&"authority_host"))
+        .and_then(|h| authority_host(h, &field("authority_host"), errors));
+    let credential = match kind {
+        EntraKind::ManagedIdentity => {
+            let ids = [
+                a.client_id.clone().map(ManagedIdentityId::ClientId),
+                a.object_id.clone().map(ManagedIdentityId::ObjectId),
+                a.resource_id.clone().map(ManagedIdentityId::ResourceId),
+            ];
+            let mut ids = ids.into_iter().flatten();
+            let id = ids.next();
+            if ids.next().is_some() {
+                errors.push(
+                    path,
+                    "name a user-assigned identity by one of client_id, object_id or resource_id, not several",
+                );
+            }
+            Some(EntraCredential::ManagedIdentity { id })
+        }
+        EntraKind::WorkloadIdentity => {
+            for (key, var, value) in [
+                ("tenant_id", "AZURE_TENANT_ID", &a.tenant_id),
+                ("client_id", "AZURE_CLIENT_ID", &a.client_id),
+                ("token_file", "AZURE_FEDERATED_TOKEN_FILE", &a.token_file),
+            ] {
+                if value.is_none() && lookup_env(var).is_none_or(|v| v.trim().is_empty()) {
+                    errors.push(
+                        field(key),
+                        format!("is required: set it, or run where {var} is set (the AKS workload identity webhook sets it)"),
+                    );
+                }
+            }
+            Some(EntraCredential::WorkloadIdentity {
+                tenant_id: a.tenant_id.clone(),
+                client_id: a.client_id.clone(),
+                token_file: a.token_file.clone(),
+                authority_host: authority,
+            })
+        }
+        EntraKind::ClientSecret => {
+            for (key, value) in [
+                ("tenant_id", &a.tenant_id),
+                ("client_id", &a.client_id),
+                ("client_secret", &a.client_secret),
+            ] {
+                if value.is_none() {
+                    errors.push(field(key), "is required for entra = \"client-secret\"");
+                }
+            }
+            let secret = a.client_secret.as_deref().and_then(|r| {
+                resolve_secret(r, &field("client_secret"), errors, lookup_env, read_file)
+                    .map(|(_, s)| (r.to_string(), s))
+            });
+            match (&a.tenant_id, &a.client_id, secret) {
+                (Some(t), Some(c), Some((from, secret))) => Some(EntraCredential::ClientSecret {
+                    tenant_id: t.clone(),
+                    client_id: c.clone(),
+                    client_secret: secret,
+                    secret_from: from,
+                    authority_host: authority,
+                }),
+                _ => None,
+            }
+        }
+        EntraKind::Developer => Some(EntraCredential::Developer {
+            tenant_id: a.tenant_id.clone(),
+        }),
+    };
+    if errors.0.len() > n_before {
+        return None;
+    }
+    credential.map(|credential| EntraAuth { credential, scope })
 }
 
 fn positive_u32(value: Option<i64>, default: u32, path: &str, errors: &mut Errors) -> u32 {
@@ -1362,6 +1738,11 @@ fn validate(
         default_429: file.cooldown.default_429.unwrap_or(d.default_429),
         default_5xx: file.cooldown.default_5xx.unwrap_or(d.default_5xx),
         default_connect: file.cooldown.default_connect.unwrap_or(d.default_connect),
+        // The default follows a smaller `max`; a value the user sets is checked below.
+        default_auth: file
+            .cooldown
+            .default_auth
+            .unwrap_or_else(|| d.default_auth.min(file.cooldown.max.unwrap_or(d.max))),
         max: file.cooldown.max.unwrap_or(d.max),
         max_jitter: file.cooldown.max_jitter.unwrap_or(d.max_jitter),
     };
@@ -1375,6 +1756,7 @@ fn validate(
         ("cooldown.default_429", cooldown.default_429),
         ("cooldown.default_5xx", cooldown.default_5xx),
         ("cooldown.default_connect", cooldown.default_connect),
+        ("cooldown.default_auth", cooldown.default_auth),
     ] {
         if v > cooldown.max {
             errors.push(
@@ -1467,15 +1849,24 @@ fn validate(
                 resolve_secret(r, &p("api_key"), &mut errors, lookup_env, read_file).map(|(_, s)| s)
             }
             None => {
-                if b.kind == BackendKind::Azure {
+                if b.kind == BackendKind::Azure && b.auth.is_none() {
                     errors.push(
                         p("api_key"),
-                        "is required for kind = \"azure\" (e.g. \"env:AOAI_KEY\")",
+                        "is required for kind = \"azure\" (e.g. \"env:AOAI_KEY\"), unless the backend has an Entra ID credential: auth = { entra = \"managed-identity\" }",
                     );
                 }
                 None
             }
         };
+        let entra = b.auth.as_ref().and_then(|a| {
+            if b.api_key.is_some() {
+                errors.push(
+                    p("auth"),
+                    "must not be set together with api_key: a backend uses either a key or an Entra ID credential",
+                );
+            }
+            validate_entra(a, &p("auth"), &mut errors, lookup_env, read_file)
+        });
         if let Some(map) = &b.deployments {
             if map.is_empty() {
                 errors.push(
@@ -1537,6 +1928,7 @@ fn validate(
             priority,
             weight,
             api_key,
+            entra,
             deployments: b.deployments,
             breaker,
             health_check,
@@ -2049,5 +2441,216 @@ trip = "30s"
     fn secret_debug_is_redacted() {
         let s = Secret::new("sk-very-secret".into());
         assert_eq!(format!("{s:?}"), "Secret(***)");
+    }
+
+    const ENTRA: &str = r#"
+[auth]
+mode = "none"
+[[backends]]
+name = "keyed"
+kind = "azure"
+url = "https://a.openai.azure.com"
+api_key = "env:AOAI_PTU_EASTUS_KEY"
+[[backends]]
+name = "mi"
+kind = "azure"
+url = "https://b.openai.azure.com"
+auth = { entra = "managed-identity" }
+[[backends]]
+name = "mi-too"
+kind = "azure"
+url = "https://c.openai.azure.com"
+auth = { entra = "managed-identity" }
+[[backends]]
+name = "uami"
+kind = "azure"
+url = "https://d.openai.azure.com"
+auth = { entra = "managed-identity", client_id = "11111111-2222-3333-4444-555555555555" }
+[[backends]]
+name = "sp"
+kind = "azure"
+url = "https://e.openai.azure.com"
+auth = { entra = "client-secret", tenant_id = "contoso.onmicrosoft.com", client_id = "abc", client_secret = "env:SP_SECRET", authority_host = "https://login.microsoftonline.us/" }
+[[backends]]
+name = "aks"
+kind = "openai"
+url = "https://f.openai.azure.com/openai/v1"
+auth = { entra = "workload-identity", scope = "https://ai.azure.com/.default" }
+[[backends]]
+name = "laptop"
+kind = "azure"
+url = "https://g.openai.azure.com"
+auth = { entra = "developer" }
+"#;
+
+    fn entra_env(k: &str) -> Option<String> {
+        match k {
+            "AOAI_PTU_EASTUS_KEY" => Some("k1".into()),
+            "SP_SECRET" => Some("the-client-secret-value".into()),
+            "AZURE_TENANT_ID" | "AZURE_CLIENT_ID" => Some("x".into()),
+            "AZURE_FEDERATED_TOKEN_FILE" => Some("/var/run/token".into()),
+            _ => None,
+        }
+    }
+
+    fn entra_messages(text: &str) -> Vec<String> {
+        match load(text, &entra_env, &no_files) {
+            Ok(_) => panic!("expected errors"),
+            Err(e) => e.0.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    #[test]
+    fn entra_credentials_load_beside_keys() {
+        let c = load(ENTRA, &entra_env, &no_files).unwrap();
+        let b = &c.backends;
+        assert!(b[0].api_key.is_some() && b[0].entra.is_none());
+        let mi = b[1].entra.clone().unwrap();
+        assert_eq!(mi.scope, DEFAULT_ENTRA_SCOPE);
+        assert_eq!(mi.credential, EntraCredential::ManagedIdentity { id: None });
+        assert!(b[1].api_key.is_none());
+        // The same credential and scope: one token for both backends.
+        assert_eq!(b[2].entra, b[1].entra);
+        assert_eq!(
+            b[3].entra.as_ref().unwrap().credential,
+            EntraCredential::ManagedIdentity {
+                id: Some(ManagedIdentityId::ClientId(
+                    "11111111-2222-3333-4444-555555555555".into()
+                ))
+            }
+        );
+        assert_ne!(b[3].entra, b[1].entra);
+        match &b[4].entra.as_ref().unwrap().credential {
+            EntraCredential::ClientSecret {
+                tenant_id,
+                client_secret,
+                secret_from,
+                authority_host,
+                ..
+            } => {
+                assert_eq!(tenant_id, "contoso.onmicrosoft.com");
+                assert_eq!(client_secret.expose(), "the-client-secret-value");
+                assert_eq!(secret_from, "env:SP_SECRET");
+                assert_eq!(
+                    authority_host.as_deref(),
+                    Some("https://login.microsoftonline.us")
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let aks = b[5].entra.as_ref().unwrap();
+        assert_eq!(aks.scope, "https://ai.azure.com/.default");
+        assert_eq!(aks.credential.kind(), EntraKind::WorkloadIdentity);
+        assert_eq!(
+            b[6].entra.as_ref().unwrap().credential,
+            EntraCredential::Developer { tenant_id: None }
+        );
+        // Neither the parsed config nor a credential's description shows the secret.
+        let shown = format!(
+            "{c:?} {}",
+            b[4].entra.as_ref().unwrap().credential.describe()
+        );
+        assert!(!shown.contains("the-client-secret-value"), "{shown}");
+        assert!(shown.contains("env:SP_SECRET"));
+    }
+
+    #[test]
+    fn entra_mistakes_name_their_paths() {
+        let base = "[auth]\nmode = \"none\"\n[[backends]]\nname = \"a\"\nkind = \"azure\"\nurl = \"https://a.openai.azure.com\"\n";
+        let with = |line: &str| format!("{base}{line}\n");
+        let cases: &[(&str, &str)] = &[
+            (
+                "api_key = \"env:AOAI_PTU_EASTUS_KEY\"\nauth = { entra = \"managed-identity\" }",
+                "backends[0].auth: must not be set together with api_key",
+            ),
+            (
+                "",
+                "backends[0].api_key: is required for kind = \"azure\" (e.g. \"env:AOAI_KEY\"), unless the backend has an Entra ID credential",
+            ),
+            (
+                "auth = { entra = \"managed-identity\", tenant_id = \"t\" }",
+                "backends[0].auth.tenant_id: does not apply to entra = \"managed-identity\"",
+            ),
+            (
+                "auth = { entra = \"managed-identity\", client_id = \"a\", object_id = \"b\" }",
+                "backends[0].auth: name a user-assigned identity by one of client_id, object_id or resource_id",
+            ),
+            (
+                "auth = { entra = \"client-secret\", tenant_id = \"t\", client_id = \"c\" }",
+                "backends[0].auth.client_secret: is required for entra = \"client-secret\"",
+            ),
+            (
+                "auth = { entra = \"client-secret\", tenant_id = \"t\", client_id = \"c\", client_secret = \"s3cr3t-inline\" }",
+                "backends[0].auth.client_secret: must be a reference such as",
+            ),
+            (
+                "auth = { entra = \"client-secret\", tenant_id = \"t\", client_id = \"c\", client_secret = \"env:NOPE\" }",
+                "backends[0].auth.client_secret: environment variable NOPE is not set",
+            ),
+            (
+                "auth = { entra = \"client-secret\", tenant_id = \"t@x\", client_id = \"c\", client_secret = \"env:SP_SECRET\" }",
+                "backends[0].auth.tenant_id: is not an Entra ID",
+            ),
+            (
+                "auth = { entra = \"client-secret\", tenant_id = \"t\", client_id = \"c\", client_secret = \"env:SP_SECRET\", authority_host = \"http://login.example.com\" }",
+                "backends[0].auth.authority_host: must be an https URL",
+            ),
+            (
+                "auth = { entra = \"developer\", scope = \"not a scope\" }",
+                "backends[0].auth.scope: is not a token scope",
+            ),
+            (
+                "auth = { entra = \"developer\", client_secret = \"env:SP_SECRET\" }",
+                "backends[0].auth.client_secret: does not apply to entra = \"developer\"",
+            ),
+            (
+                "auth = { entra = \"certificate\" }",
+                "backends[0].auth.entra: unknown variant `certificate`, expected one of `managed-identity`, `workload-identity`, `client-secret`, `developer`",
+            ),
+            (
+                "auth = { entra = \"developer\", tenant = \"t\" }",
+                "backends[0].auth.tenant: unknown field `tenant`",
+            ),
+        ];
+        for (line, expected) in cases {
+            let m = entra_messages(&with(line));
+            assert!(
+                m.iter().any(|x| x.starts_with(expected)),
+                "{line}: expected {expected:?} in {m:#?}"
+            );
+            assert!(
+                !m.iter()
+                    .any(|x| x.contains("s3cr3t-inline") || x.contains("the-client-secret-value")),
+                "{m:?}"
+            );
+        }
+        // A loopback authority may be plain http (a local token service).
+        let ok = with("auth = { entra = \"client-secret\", tenant_id = \"t\", client_id = \"c\", client_secret = \"env:SP_SECRET\", authority_host = \"http://127.0.0.1:8400\" }");
+        load(&ok, &entra_env, &no_files).unwrap();
+        // Workload identity without the webhook's variables, and no values in the file.
+        let m = match load(
+            &with("auth = { entra = \"workload-identity\" }"),
+            &|_| None,
+            &no_files,
+        ) {
+            Ok(_) => panic!("expected errors"),
+            Err(e) => e.0.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        };
+        assert_eq!(m.len(), 3, "{m:#?}");
+        assert!(m[0].starts_with("backends[0].auth.tenant_id: is required: set it, or run where AZURE_TENANT_ID is set"), "{m:#?}");
+    }
+
+    #[test]
+    fn auth_cooldown_follows_max_unless_set() {
+        let c = load_with(&format!("{EXAMPLE}\n[cooldown]\nmax = \"15s\"\n")).unwrap();
+        assert_eq!(c.cooldown.default_auth, Duration::from_secs(15));
+        let c = load_with(EXAMPLE).unwrap();
+        assert_eq!(c.cooldown.default_auth, Duration::from_secs(30));
+        assert_eq!(
+            messages(&format!(
+                "{EXAMPLE}\n[cooldown]\nmax = \"15s\"\ndefault_auth = \"1m\"\n"
+            )),
+            vec!["cooldown.default_auth: must not exceed cooldown.max (15s), got 1m"]
+        );
     }
 }

@@ -58,6 +58,9 @@ pub enum CoolReason {
     Tripped,
     /// An active health check failed.
     Health,
+    /// No Entra ID token could be obtained for the backend, or the backend rejected a
+    /// freshly obtained one.
+    Auth,
 }
 
 impl CoolReason {
@@ -77,6 +80,7 @@ impl CoolReason {
             CoolReason::ConnectError => "connect",
             CoolReason::Tripped => "tripped",
             CoolReason::Health => "health",
+            CoolReason::Auth => "auth",
         }
     }
 
@@ -87,6 +91,7 @@ impl CoolReason {
             CoolReason::ConnectError => 3,
             CoolReason::Tripped => 4,
             CoolReason::Health => 5,
+            CoolReason::Auth => 6,
         }
     }
 
@@ -97,6 +102,7 @@ impl CoolReason {
             3 => Some(CoolReason::ConnectError),
             4 => Some(CoolReason::Tripped),
             5 => Some(CoolReason::Health),
+            6 => Some(CoolReason::Auth),
             _ => None,
         }
     }
@@ -169,6 +175,7 @@ pub fn cooldown_duration(
         CoolReason::ConnectError | CoolReason::Tripped | CoolReason::Health => {
             policy.default_connect
         }
+        CoolReason::Auth => policy.default_auth,
     };
     hint.unwrap_or(default).min(policy.max)
 }
@@ -305,6 +312,9 @@ mod tests {
             CoolReason::Throttled,
             CoolReason::ServerError,
             CoolReason::ConnectError,
+            CoolReason::Tripped,
+            CoolReason::Health,
+            CoolReason::Auth,
         ] {
             assert_eq!(CoolReason::from_u8(r.to_u8()), Some(r));
         }

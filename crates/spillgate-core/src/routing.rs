@@ -307,6 +307,7 @@ mod tests {
             priority,
             weight,
             api_key: Some(Secret::new("k".into())),
+            entra: None,
             deployments: deployments.map(|d| {
                 d.iter()
                     .map(|(a, b)| (a.to_string(), b.to_string()))

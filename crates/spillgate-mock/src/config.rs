@@ -33,6 +33,8 @@ pub struct MockConfig {
     /// an empty body. To keep no records at all, as long benchmark runs need,
     /// turn recording off with [`crate::MockBackend::set_recording`].
     pub record_bodies: bool,
+    /// Also serve Entra ID token endpoints, and accept the tokens issued there.
+    pub identity: Option<crate::MockIdentity>,
 }
 
 impl Default for MockConfig {
@@ -45,6 +47,7 @@ impl Default for MockConfig {
             limits: None,
             expect_api_key: None,
             record_bodies: true,
+            identity: None,
         }
     }
 }

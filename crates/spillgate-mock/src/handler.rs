@@ -30,9 +30,32 @@ const TEXT: &str = "text/plain; charset=utf-8";
 pub(crate) async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<MockBody> {
     if req.uri().path().starts_with(CONTROL_PREFIX) {
         control(&shared, req).await
+    } else if shared.identity.is_some()
+        && crate::identity::is_token_path(req.method(), req.uri().path())
+    {
+        token(&shared, req).await
     } else {
         api(shared, req).await
     }
+}
+
+/// A request to the token service (see `identity.rs`).
+async fn token(shared: &Shared, req: Request<Incoming>) -> Response<MockBody> {
+    let (parts, body) = req.into_parts();
+    let body = match body.collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(err) => return control_error(StatusCode::BAD_REQUEST, &err.to_string()),
+    };
+    let Some(identity) = &shared.identity else {
+        return control_error(StatusCode::NOT_FOUND, "no token service");
+    };
+    let recorded = RecordedRequest {
+        body: String::from_utf8_lossy(&body).into_owned(),
+        ..record(shared, &parts, &body, None)
+    };
+    let (status, value) = identity.respond(&shared.cfg.name, &parts, &body, recorded, unix_now());
+    sleep(shared.cfg.latency).await;
+    json_response(status, &value)
 }
 
 /// What the response builders need to know about the request.
@@ -129,7 +152,20 @@ fn record(
 }
 
 async fn respond(shared: &Arc<Shared>, req: &ApiRequest<'_>) -> Response<MockBody> {
-    if !authorized(shared.cfg.expect_api_key.as_deref(), &req.parts.headers) {
+    let allowed = match &shared.identity {
+        // Playing a token service: its own tokens are accepted, and the API key if
+        // one is expected; nothing else.
+        Some(identity) => {
+            bearer(&req.parts.headers).is_some_and(|t| identity.accepts(t))
+                || shared
+                    .cfg
+                    .expect_api_key
+                    .as_deref()
+                    .is_some_and(|k| authorized(Some(k), &req.parts.headers))
+        }
+        None => authorized(shared.cfg.expect_api_key.as_deref(), &req.parts.headers),
+    };
+    if !allowed {
         sleep(shared.cfg.latency).await;
         let body = openai::error_body(401, openai::UNAUTHORIZED_MESSAGE);
         return finish(
@@ -169,21 +205,25 @@ async fn sleep(d: Duration) {
     }
 }
 
-/// Whether the request carries the expected key in `api-key` or as a bearer token.
-fn authorized(expected: Option<&str>, headers: &HeaderMap) -> bool {
-    let Some(expected) = expected else {
-        return true;
-    };
-    let api_key = headers.get("api-key").map(HeaderValue::as_bytes);
-    let bearer = headers
+/// The token of an `Authorization: Bearer` header.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| {
             v.strip_prefix("Bearer ")
                 .or_else(|| v.strip_prefix("bearer "))
         })
-        .map(str::as_bytes);
-    api_key == Some(expected.as_bytes()) || bearer == Some(expected.as_bytes())
+}
+
+/// Whether the request carries the expected key in `api-key` or as a bearer token.
+fn authorized(expected: Option<&str>, headers: &HeaderMap) -> bool {
+    let Some(expected) = expected else {
+        return true;
+    };
+    let api_key = headers.get("api-key").map(HeaderValue::as_bytes);
+    api_key == Some(expected.as_bytes())
+        || bearer(headers).map(str::as_bytes) == Some(expected.as_bytes())
 }
 
 /// The limiter's 429, shaped like Azure's.
@@ -470,6 +510,17 @@ async fn control(shared: &Shared, req: Request<Incoming>) -> Response<MockBody> 
             shared.reset();
             ok()
         }
+        (&Method::POST, "/_mock/identity") => match (
+            &shared.identity,
+            serde_json::from_slice::<crate::IdentityControl>(&body),
+        ) {
+            (None, _) => control_error(StatusCode::NOT_FOUND, "this mock plays no token service"),
+            (Some(identity), Ok(c)) => {
+                identity.control(&c);
+                ok()
+            }
+            (Some(_), Err(err)) => control_error(StatusCode::BAD_REQUEST, &err.to_string()),
+        },
         _ => control_error(StatusCode::NOT_FOUND, "unknown control endpoint"),
     };
     resp.headers_mut()

@@ -12,15 +12,18 @@
 //! * enforce Azure-like per-deployment [`Limits`] with realistic 429s and
 //!   `x-ratelimit-*` headers,
 //! * inspect every received request ([`RecordedRequest`]) and counters such
-//!   as completed and client-cancelled streams.
+//!   as completed and client-cancelled streams,
+//! * serve Entra ID token endpoints too ([`MockIdentity`]) and accept the
+//!   bearer tokens issued there.
 //!
 //! Everything is also reachable over HTTP under `/_mock/` (`GET state`,
-//! `POST script`, `POST default`, `POST reset`) for tests that run the
+//! `POST script`, `POST default`, `POST reset`, `POST identity`) for tests that run the
 //! `spillgate-mock` binary out of process.
 
 mod body;
 mod config;
 mod handler;
+mod identity;
 mod limiter;
 mod openai;
 mod reply;
@@ -28,6 +31,7 @@ mod server;
 mod state;
 
 pub use config::{Limits, MockConfig, DEFAULT_NAME, DEFAULT_STREAM_CHUNKS};
+pub use identity::{IdentityControl, IdentityView, MockIdentity};
 pub use openai::stream_text;
 pub use reply::{Reply, ReplyBody};
 pub use server::MockBackend;

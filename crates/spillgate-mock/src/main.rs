@@ -52,6 +52,21 @@ struct Args {
     /// records would grow without bound).
     #[arg(long)]
     no_record_requests: bool,
+    /// Also serve Entra ID token endpoints (`GET /msi/token`, `POST
+    /// /{tenant}/oauth2/v2.0/token`) and accept the tokens issued there.
+    #[arg(long)]
+    identity: bool,
+    /// Name of an environment variable holding the `x-identity-header` value the
+    /// managed identity endpoint requires.
+    #[arg(long, requires = "identity")]
+    identity_header_env: Option<String>,
+    /// Name of an environment variable holding the client secret the token endpoint
+    /// requires.
+    #[arg(long, requires = "identity")]
+    identity_client_secret_env: Option<String>,
+    /// Lifetime of issued tokens.
+    #[arg(long, default_value_t = 3600, requires = "identity")]
+    token_lifetime_secs: u64,
 }
 
 impl Args {
@@ -72,6 +87,20 @@ impl Args {
             ),
             None => None,
         };
+        let from_env = |var: &Option<String>| -> anyhow::Result<Option<String>> {
+            var.as_ref()
+                .map(|v| std::env::var(v).with_context(|| format!("reading ${v}")))
+                .transpose()
+        };
+        let identity = if self.identity {
+            Some(spillgate_mock::MockIdentity {
+                identity_header: from_env(&self.identity_header_env)?,
+                client_secret: from_env(&self.identity_client_secret_env)?,
+                lifetime: Duration::from_secs(self.token_lifetime_secs),
+            })
+        } else {
+            None
+        };
         Ok(MockConfig {
             name: self.name.clone(),
             latency: Duration::from_millis(self.latency_ms),
@@ -80,6 +109,7 @@ impl Args {
             limits,
             expect_api_key,
             record_bodies: !self.no_record_bodies,
+            identity,
         })
     }
 }

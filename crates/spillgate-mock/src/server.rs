@@ -123,6 +123,23 @@ impl MockBackend {
         Shared::get(&self.shared.counters.requests_abandoned)
     }
 
+    /// Token requests received by the token service (empty without one).
+    pub fn identity_requests(&self) -> Vec<RecordedRequest> {
+        self.shared
+            .identity
+            .as_ref()
+            .map(|i| i.view().recorded)
+            .unwrap_or_default()
+    }
+
+    /// Switches the token service: failing (503) or not, and revoking every token
+    /// issued so far. No effect without one.
+    pub fn identity_control(&self, control: crate::IdentityControl) {
+        if let Some(i) = &self.shared.identity {
+            i.control(&control);
+        }
+    }
+
     /// Everything `GET /_mock/state` reports.
     pub fn state(&self) -> MockState {
         self.shared.state()

@@ -59,6 +59,9 @@ pub struct MockState {
     #[serde(default)]
     pub requests_abandoned: u64,
     pub requests: Vec<RecordedRequest>,
+    /// The token service, when the mock plays one.
+    #[serde(default)]
+    pub identity: Option<crate::IdentityView>,
 }
 
 /// Lock a mutex, ignoring poisoning: every critical section here leaves the
@@ -150,11 +153,16 @@ pub(crate) struct Shared {
     pub recording: AtomicBool,
     pub overrides: Mutex<Overrides>,
     pub limiter: Option<Limiter>,
+    pub identity: Option<crate::identity::IdentityState>,
 }
 
 impl Shared {
     pub fn new(cfg: MockConfig) -> Shared {
         let limiter = cfg.limits.map(Limiter::new);
+        let identity = cfg
+            .identity
+            .clone()
+            .map(crate::identity::IdentityState::new);
         let backend_header =
             HeaderValue::from_str(&cfg.name).unwrap_or_else(|_| HeaderValue::from_static("mock"));
         Shared {
@@ -167,6 +175,7 @@ impl Shared {
             recording: AtomicBool::new(true),
             overrides: Mutex::new(Overrides::default()),
             limiter,
+            identity,
         }
     }
 
@@ -222,6 +231,7 @@ impl Shared {
             streams_cancelled: Self::get(&self.counters.streams_cancelled),
             requests_abandoned: Self::get(&self.counters.requests_abandoned),
             requests: self.requests(),
+            identity: self.identity.as_ref().map(|i| i.view()),
         }
     }
 
@@ -231,6 +241,9 @@ impl Shared {
         *lock(&self.overrides) = Overrides::default();
         if let Some(limiter) = &self.limiter {
             limiter.reset();
+        }
+        if let Some(identity) = &self.identity {
+            identity.reset();
         }
     }
 }

@@ -595,3 +595,90 @@ async fn shutdown_stops_serving() {
     assert!(errored);
     assert!(!data.contains("[DONE]"));
 }
+
+#[tokio::test]
+async fn token_service_issues_tokens_its_api_accepts() {
+    let b = backend_with(MockConfig {
+        identity: Some(spillgate_mock::MockIdentity {
+            identity_header: Some("platform-secret".into()),
+            client_secret: Some("sp-secret".into()),
+            lifetime: Duration::from_secs(600),
+        }),
+        ..MockConfig::named("idp")
+    })
+    .await;
+    let base = b.url();
+    let api = format!("{base}/openai/deployments/d/chat/completions");
+    let body = chat("m").to_string();
+    // Nothing but an issued token gets through.
+    let r = send(Method::POST, &api, &[], &body).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = send(
+        Method::POST,
+        &api,
+        &[("authorization", "Bearer made-up")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
+    // The App Service-style managed identity endpoint wants its header.
+    let msi = format!(
+        "{base}/msi/token?api-version=2019-08-01&resource=https://cognitiveservices.azure.com"
+    );
+    let r = send(Method::GET, &msi, &[], "").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = send(
+        Method::GET,
+        &msi,
+        &[("x-identity-header", "platform-secret")],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let j = r.json();
+    assert_eq!(j["token_type"], "Bearer");
+    assert_eq!(j["resource"], "https://cognitiveservices.azure.com");
+    let expires: u64 = j["expires_on"].as_str().unwrap().parse().unwrap();
+    assert!(expires > 1_700_000_000);
+    let msi_token = j["access_token"].as_str().unwrap().to_string();
+
+    // The client-credentials grant wants the right secret.
+    let grant = |secret: &str| {
+        format!("grant_type=client_credentials&client_id=app&client_secret={secret}&scope=https%3A%2F%2Fcognitiveservices.azure.com%2F.default")
+    };
+    let token_url = format!("{base}/tenant-1/oauth2/v2.0/token");
+    let form = [("content-type", "application/x-www-form-urlencoded")];
+    let r = send(Method::POST, &token_url, &form, &grant("wrong")).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.json()["error"], "invalid_client");
+    let r = send(Method::POST, &token_url, &form, &grant("sp-secret")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.json()["expires_in"], 600);
+    let sp_token = r.json()["access_token"].as_str().unwrap().to_string();
+    assert_ne!(sp_token, msi_token);
+
+    for t in [&msi_token, &sp_token] {
+        let auth = format!("Bearer {t}");
+        let r = send(Method::POST, &api, &[("authorization", &auth)], &body).await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    let state = b.state();
+    let id = state.identity.unwrap();
+    assert_eq!((id.requests, id.issued), (4, 2));
+    assert_eq!(state.hits, 4, "token requests are not API hits");
+
+    // Revoked tokens are refused; a failing service answers 503.
+    let r = post(
+        &format!("{base}/_mock/identity"),
+        &json!({"revoke": true, "failing": true}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let auth = format!("Bearer {sp_token}");
+    let r = send(Method::POST, &api, &[("authorization", &auth)], &body).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = send(Method::POST, &token_url, &form, &grant("sp-secret")).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(b.identity_requests().len(), 5);
+}

@@ -16,6 +16,7 @@ use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 
 use crate::app::{App, BackendRt};
+use crate::entra::{CredentialStatus, TokenSource};
 use crate::state::{Availability, BackendState};
 
 /// One state as JSON: `ready`, `probing` (recovering, one request at a time), `cooling` or
@@ -50,13 +51,70 @@ fn capacity_json(state: &BackendState, now: u64) -> serde_json::Value {
     })
 }
 
+/// Whether a backend with an Entra ID credential has a token to send: `ready`,
+/// `pending` (the first fetch is under way) or `missing` (fetching failed). `None` for a
+/// backend without one.
+pub fn token_state(b: &BackendRt) -> Option<&'static str> {
+    let source = b.entra.as_ref()?;
+    Some(match source.status() {
+        CredentialStatus::Ready { .. }
+        | CredentialStatus::Failing {
+            token_left: Some(_),
+            ..
+        } => "ready",
+        CredentialStatus::Pending => "pending",
+        CredentialStatus::Failing {
+            token_left: None, ..
+        } => "missing",
+    })
+}
+
+/// A backend's Entra ID credential for the admin port: which identity, where its tokens
+/// come from, and the state of its token (with the last error while fetching fails).
+fn credential_json(source: &TokenSource) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "entra": source.auth().credential.kind().as_str(),
+        "credential": source.label(),
+        "endpoint": source.endpoint(),
+    });
+    match source.status() {
+        CredentialStatus::Ready { expires_in } => {
+            v["token"] = serde_json::json!("ready");
+            v["expires_in_s"] = serde_json::json!(expires_in.as_secs());
+        }
+        CredentialStatus::Pending => v["token"] = serde_json::json!("pending"),
+        CredentialStatus::Failing {
+            message,
+            failures,
+            token_left,
+        } => {
+            v["token"] = serde_json::json!(if token_left.is_some() {
+                "ready"
+            } else {
+                "missing"
+            });
+            v["expires_in_s"] = serde_json::json!(token_left.map(|d| d.as_secs()));
+            v["failures"] = serde_json::json!(failures);
+            v["error"] = serde_json::json!(&*message);
+        }
+    }
+    v
+}
+
 /// A backend and each of its deployments: name, priority and state. `detail` (the admin
-/// port) adds kind, weight, last status, requests served and tracked capacity; without
-/// it (`/readyz` on the public port) it is names and states only.
+/// port) adds kind, weight, last status, requests served, tracked capacity and the Entra
+/// ID credential; without it (`/readyz` on the public port) it is names and states only
+/// (and, for a backend with an Entra ID credential, whether it has a token).
 pub fn backend_json(b: &BackendRt, now: u64, detail: bool) -> serde_json::Value {
     let mut v = state_json(&b.state, now);
     v["name"] = serde_json::json!(&*b.cfg.name);
     v["priority"] = serde_json::json!(b.cfg.priority);
+    if let Some(t) = token_state(b) {
+        v["token"] = serde_json::json!(t);
+    }
+    if let (true, Some(source)) = (detail, &b.entra) {
+        v["credential"] = credential_json(source);
+    }
     if detail {
         v["kind"] = serde_json::json!(b.cfg.kind.as_str());
         v["weight"] = serde_json::json!(b.cfg.weight);

@@ -7,7 +7,8 @@
 //! lock, and a reload can swap it while in-flight requests finish on the old one.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
@@ -18,7 +19,8 @@ use spillgate_core::retry::RetryBudget;
 use spillgate_core::routing::RouteId;
 
 use crate::auth::ClientKeys;
-use spillgate_core::outcome::Cooldown;
+use crate::entra::{CredentialEvents, Credentials, TokenSource};
+use spillgate_core::outcome::{CoolReason, Cooldown};
 
 use crate::state::{BackendState, Clock};
 use crate::upstream::{Upstream, UpstreamClient};
@@ -34,6 +36,9 @@ pub struct BackendRt {
     /// The credential header this backend expects, marked sensitive so it is never
     /// printed by `Debug` or HPACK-indexed.
     pub credential: Option<(HeaderName, HeaderValue)>,
+    /// With an Entra ID credential: where its bearer token comes from (shared by the
+    /// backends with the same credential).
+    pub entra: Option<Arc<TokenSource>>,
     /// `x-spillgate-backend` value, built once.
     pub name_header: HeaderValue,
     /// The resource as a whole: connection failures, breaker trips, health checks.
@@ -118,6 +123,7 @@ impl BackendRt {
         cfg: BackendConfig,
         state: Arc<BackendState>,
         deployments: Arc<DeploymentStates>,
+        credentials: &Credentials,
     ) -> anyhow::Result<BackendRt> {
         let uri: http::Uri = cfg
             .url
@@ -154,16 +160,25 @@ impl BackendRt {
         let name_header = HeaderValue::from_str(&cfg.name).map_err(|_| {
             anyhow::anyhow!("backend {}: name is not a valid header value", cfg.name)
         })?;
+        let entra = cfg.entra.as_ref().map(|a| credentials.source(a));
         Ok(BackendRt {
             cfg,
             scheme,
             authority,
             base_path,
             credential,
+            entra,
             name_header,
             state,
             deployments,
         })
+    }
+
+    /// Whether this backend takes its token from `source`.
+    pub fn uses(&self, source: &TokenSource) -> bool {
+        self.entra
+            .as_ref()
+            .is_some_and(|s| std::ptr::eq(Arc::as_ptr(s), source))
     }
 
     /// The state of the deployment that serves `model` here.
@@ -214,8 +229,12 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// Builds a snapshot; backends keep the live state they had in `previous` when their
-    /// name is unchanged.
-    pub fn build(config: Config, previous: Option<&Snapshot>) -> anyhow::Result<Snapshot> {
+    /// name is unchanged, and the token of their Entra ID credential when it is unchanged.
+    pub fn build(
+        config: Config,
+        previous: Option<&Snapshot>,
+        credentials: &Credentials,
+    ) -> anyhow::Result<Snapshot> {
         let backends = config
             .backends
             .iter()
@@ -246,7 +265,7 @@ impl Snapshot {
                         Arc::new(DeploymentStates::with_names(known())),
                     ),
                 };
-                BackendRt::new(b.clone(), state, deployments)
+                BackendRt::new(b.clone(), state, deployments, credentials)
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let client_keys = match &config.auth {
@@ -317,7 +336,14 @@ pub struct App {
     /// The live health-check task of each backend, by generation: a task whose
     /// generation is no longer current stops, so reloads never leave two running.
     pub health_tasks: Mutex<HashMap<Arc<str>, u64>>,
+    /// The token sources of the backends with Entra ID credentials.
+    pub credentials: Credentials,
 }
+
+/// A token source that cannot get a token cools its backends for a little longer than
+/// until its next try, so the cooldown does not end (and start again) around each retry;
+/// a token obtained ends the cooldown at once.
+pub(crate) const AUTH_COOLDOWN_GRACE: Duration = Duration::from_secs(10);
 
 impl App {
     /// The gateway with the real HTTP client.
@@ -331,15 +357,55 @@ impl App {
         if config.priority.is_some() {
             crate::priority::warm_up();
         }
-        let snapshot = Snapshot::build(config, None)?;
-        Ok(Arc::new(App {
+        let credentials = Credentials::new(Arc::clone(&upstream));
+        let snapshot = Snapshot::build(config, None, &credentials)?;
+        let app = Arc::new(App {
             snapshot: ArcSwap::from_pointee(snapshot),
             upstream,
             clock: Clock::new(),
             draining: std::sync::atomic::AtomicBool::new(false),
             metrics: crate::metrics::Metrics::new(),
             health_tasks: Mutex::new(HashMap::new()),
-        }))
+            credentials,
+        });
+        app.start_credentials();
+        Ok(app)
+    }
+
+    /// Connects the running config's token sources to the backends' state and starts
+    /// fetching their first tokens (when a runtime is at hand; else on first use). Sources
+    /// that already run are left as they are.
+    pub fn start_credentials(self: &Arc<Self>) {
+        let snap = self.snapshot.load();
+        for source in snap.backends.iter().filter_map(|b| b.entra.as_ref()) {
+            source.set_events(Arc::new(AppEvents(Arc::downgrade(self))));
+            source.start();
+        }
+    }
+
+    /// Cools `backend` for lack of a usable token, for `d`; says whether this started a
+    /// cooldown (counted in the metrics).
+    pub fn cool_for_auth(&self, backend: &BackendRt, d: Duration) -> bool {
+        let now = self.clock.now_ms();
+        let until_ms = now.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let cooled = backend.state.cool_at(
+            Cooldown {
+                until_ms,
+                reason: CoolReason::Auth,
+            },
+            now,
+        );
+        if cooled.started {
+            self.metrics
+                .cooldowns
+                .get_or_create(&vec![
+                    ("backend", (&backend.cfg.name).into()),
+                    ("reason", "auth".into()),
+                ])
+                .inc();
+            tracing::debug!(backend = %backend.cfg.name, reason = "auth", cooldown_ms = d.as_millis() as u64, "backend cooling down");
+        }
+        cooled.started
     }
 
     pub fn draining(&self) -> bool {
@@ -349,5 +415,34 @@ impl App {
     pub fn start_draining(&self) {
         self.draining
             .store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// Tells the gateway's backends when their token source loses or regains a token.
+struct AppEvents(Weak<App>);
+
+impl CredentialEvents for AppEvents {
+    fn unavailable(&self, source: &TokenSource, next_try: Duration) -> Vec<Arc<str>> {
+        let Some(app) = self.0.upgrade() else {
+            return Vec::new();
+        };
+        let snap = app.snapshot.load();
+        snap.backends
+            .iter()
+            .filter(|b| b.uses(source))
+            .map(|b| {
+                app.cool_for_auth(b, next_try + AUTH_COOLDOWN_GRACE);
+                Arc::clone(&b.cfg.name)
+            })
+            .collect()
+    }
+
+    fn obtained(&self, source: &TokenSource) {
+        let Some(app) = self.0.upgrade() else { return };
+        let now = app.clock.now_ms();
+        let snap = app.snapshot.load();
+        for b in snap.backends.iter().filter(|b| b.uses(source)) {
+            b.state.end_cooldown(CoolReason::Auth, now);
+        }
     }
 }

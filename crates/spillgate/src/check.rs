@@ -1,11 +1,119 @@
 //! `spillgate check`: validate a config and show the routing it resolves to, so an
 //! operator sees which backend serves which model, in which tier and with what share,
-//! under which retry policy, before traffic does.
+//! under which retry policy and with which credential, before traffic does. With
+//! `--probe`, each Entra ID credential is asked for a token, so a missing role or an
+//! unreachable identity endpoint shows up before the gateway starts.
 
 use std::fmt::Write;
+use std::sync::Arc;
+use std::time::Duration;
 
-use spillgate_core::config::{AuthConfig, BackendConfig, Config, RetryPolicy};
+use spillgate_core::config::{
+    AuthConfig, BackendConfig, BackendKind, Config, EntraAuth, RetryPolicy,
+};
 use spillgate_core::routing::Pool;
+
+use crate::entra::{FetchToken, SdkFetcher};
+use crate::upstream::{Upstream, UpstreamClient};
+
+/// How each backend authenticates, one line each; backends that share an Entra ID
+/// credential (one token) say so.
+fn credential_lines(out: &mut String, backends: &[BackendConfig]) {
+    let _ = writeln!(out, "backend credentials:");
+    let width = backends.iter().map(|b| b.name.len()).max().unwrap_or(0);
+    for b in backends {
+        let how = match (&b.entra, &b.api_key, b.kind) {
+            (Some(a), _, _) => {
+                let shared: Vec<&str> = backends
+                    .iter()
+                    .filter(|o| o.name != b.name && o.entra.as_ref() == Some(a))
+                    .map(|o| &*o.name)
+                    .collect();
+                let shared = if shared.is_empty() {
+                    String::new()
+                } else {
+                    format!("; one token shared with {}", shared.join(", "))
+                };
+                format!(
+                    "Entra ID token (Authorization: Bearer): {}, scope {}{shared}",
+                    a.credential.describe(),
+                    a.scope
+                )
+            }
+            (None, Some(_), BackendKind::Azure) => "API key (api-key header)".to_string(),
+            (None, Some(_), BackendKind::Openai) => "API key (Authorization: Bearer)".to_string(),
+            (None, None, _) => "none".to_string(),
+        };
+        let _ = writeln!(out, "  {:<width$}  {how}", b.name);
+    }
+}
+
+/// Each distinct Entra ID credential of `config` with the backends that use it.
+fn entra_credentials(config: &Config) -> Vec<(&EntraAuth, Vec<&str>)> {
+    let mut out: Vec<(&EntraAuth, Vec<&str>)> = Vec::new();
+    for b in &config.backends {
+        let Some(a) = &b.entra else { continue };
+        match out.iter_mut().find(|(x, _)| *x == a) {
+            Some((_, names)) => names.push(&b.name),
+            None => out.push((a, vec![&b.name])),
+        }
+    }
+    out
+}
+
+/// `spillgate check --probe`: asks each Entra ID credential for a token (the token itself
+/// is never shown) and reports what happened. Returns the report and whether every
+/// credential produced a token.
+pub async fn probe(config: &Config) -> (String, bool) {
+    let upstream: Arc<dyn Upstream> = Arc::new(UpstreamClient::new(&config.timeouts));
+    probe_with(config, upstream).await
+}
+
+/// [`probe`] over a given client (tests script the identity endpoints).
+pub async fn probe_with(config: &Config, upstream: Arc<dyn Upstream>) -> (String, bool) {
+    let mut out = String::new();
+    let creds = entra_credentials(config);
+    if creds.is_empty() {
+        let _ = writeln!(
+            out,
+            "no backend uses an Entra ID credential: nothing to probe"
+        );
+        return (out, true);
+    }
+    let _ = writeln!(out, "probing Entra ID credentials:");
+    let mut all_ok = true;
+    for (auth, names) in creds {
+        let fetcher = SdkFetcher::new(auth.clone(), Arc::clone(&upstream));
+        let _ = writeln!(
+            out,
+            "  {} for {} (backends {})",
+            auth.credential.describe(),
+            auth.scope,
+            names.join(", ")
+        );
+        let _ = writeln!(out, "    token endpoint: {}", fetcher.endpoint());
+        match tokio::time::timeout(Duration::from_secs(100), fetcher.fetch()).await {
+            Ok(Ok(t)) => {
+                let secs = t.expires_in.as_secs();
+                let _ = writeln!(
+                    out,
+                    "    OK: token obtained, valid for {}h {:02}m",
+                    secs / 3600,
+                    secs % 3600 / 60
+                );
+            }
+            Ok(Err(e)) => {
+                all_ok = false;
+                let _ = writeln!(out, "    FAILED: {e}");
+            }
+            Err(_) => {
+                all_ok = false;
+                let _ = writeln!(out, "    FAILED: no answer within 100 s");
+            }
+        }
+    }
+    (out, all_ok)
+}
 
 fn pool_lines(out: &mut String, backends: &[BackendConfig], model: Option<&str>, pool: &Pool) {
     for tier in &pool.tiers {
@@ -87,6 +195,7 @@ pub fn render(config: &Config) -> String {
             );
         }
     }
+    credential_lines(&mut out, &config.backends);
     let c = &config.cooldown;
     let _ = writeln!(
         out,

@@ -51,7 +51,10 @@ pub fn spawn_missing(app: &Arc<App>, old: &crate::app::Snapshot) {
     }
 }
 
-fn request(b: &BackendRt) -> Option<http::Request<Full<Bytes>>> {
+fn request(
+    b: &BackendRt,
+    bearer: Option<&crate::entra::BearerToken>,
+) -> Option<http::Request<Full<Bytes>>> {
     let hc = b.cfg.health_check.as_ref()?;
     let uri = http::Uri::builder()
         .scheme(b.scheme.clone())
@@ -61,8 +64,15 @@ fn request(b: &BackendRt) -> Option<http::Request<Full<Bytes>>> {
         .ok()?;
     let mut builder = http::Request::builder().method(hc.method.as_str()).uri(uri);
     if let Some(h) = builder.headers_mut() {
-        if let Some((name, value)) = &b.credential {
-            h.insert(name.clone(), value.clone());
+        match bearer {
+            Some(t) => {
+                h.insert(http::header::AUTHORIZATION, t.header().clone());
+            }
+            None => {
+                if let Some((name, value)) = &b.credential {
+                    h.insert(name.clone(), value.clone());
+                }
+            }
         }
         if hc.body.is_some() {
             h.insert(
@@ -95,7 +105,21 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
         let Some(hc) = b.cfg.health_check.clone() else {
             return;
         };
-        let Some(req) = request(b) else {
+        // Without a token there is nothing to check: the backend is already cooling
+        // for that reason, and its token source says why.
+        let token = match &b.entra {
+            Some(source) => match source.current() {
+                Some(t) => Some(t),
+                None => {
+                    drop(snap);
+                    drop(a);
+                    tokio::time::sleep(hc.interval).await;
+                    continue;
+                }
+            },
+            None => None,
+        };
+        let Some(req) = request(b, token.as_deref()) else {
             tracing::error!(backend = %name, path = %hc.path, "health check request cannot be built; checks stopped");
             return;
         };

@@ -10,6 +10,7 @@ pub mod auth;
 pub mod check;
 pub mod coalesce;
 pub mod demo;
+pub mod entra;
 pub mod errors;
 pub mod health;
 pub mod metrics;

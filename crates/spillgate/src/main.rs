@@ -26,15 +26,43 @@ enum Command {
     /// Run the gateway (the default when no command is given).
     Run,
     /// Validate a config file and print the routing table it resolves to.
-    Check,
+    Check {
+        /// Also obtain a token from each Entra ID credential and report the result
+        /// (exits 1 when one fails).
+        #[arg(long)]
+        probe: bool,
+    },
     /// Start three simulated backends and the gateway in front of them; no Azure needed.
     Demo(spillgate::demo::DemoArgs),
 }
 
+/// The Azure SDK's own modules, quieted to warnings unless a filter names them: they log
+/// every identity request (and every failed one), where the gateway logs a failing
+/// credential once per run of failures.
+const SDK_TARGETS: [&str; 4] = [
+    "azure_core",
+    "azure_identity",
+    "typespec_client_core",
+    "typespec",
+];
+
+fn with_sdk_quiet(filter: &str) -> String {
+    let mut f = filter.to_string();
+    for t in SDK_TARGETS {
+        if !filter.contains(t) {
+            f.push_str(&format!(",{t}=warn"));
+        }
+    }
+    f
+}
+
 fn init_logging(format: LogFormat, level: &str) -> Result<(), ExitCode> {
     let filter = match std::env::var("RUST_LOG") {
-        Ok(v) if !v.is_empty() => EnvFilter::try_new(&v).map_err(|e| (format!("RUST_LOG: {e}"), v)),
-        _ => EnvFilter::try_new(level).map_err(|e| (format!("log.level: {e}"), level.to_string())),
+        Ok(v) if !v.is_empty() => {
+            EnvFilter::try_new(with_sdk_quiet(&v)).map_err(|e| (format!("RUST_LOG: {e}"), v))
+        }
+        _ => EnvFilter::try_new(with_sdk_quiet(level))
+            .map_err(|e| (format!("log.level: {e}"), level.to_string())),
     };
     let filter = match filter {
         Ok(f) => f,
@@ -84,11 +112,28 @@ fn read_config(
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command.unwrap_or(Command::Run) {
-        Command::Check => match read_config(&cli.config) {
+        Command::Check { probe } => match read_config(&cli.config) {
             Ok((config, _)) => {
                 print!("{}", spillgate::check::render(&config));
                 println!("\nconfig OK");
-                ExitCode::SUCCESS
+                if !probe {
+                    return ExitCode::SUCCESS;
+                }
+                let mut ok = true;
+                let code = run_async(async {
+                    let (report, all_ok) = spillgate::check::probe(&config).await;
+                    print!("\n{report}");
+                    ok = all_ok;
+                    Ok(())
+                });
+                if code != ExitCode::SUCCESS {
+                    return code;
+                }
+                if ok {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                }
             }
             Err(code) => code,
         },

@@ -146,7 +146,7 @@ impl Metrics {
         );
         registry.register(
             "cooldowns",
-            "Cooldowns entered, by backend and reason (429, 5xx, connect, tripped, health)",
+            "Cooldowns entered, by backend and reason (429, 5xx, connect, tripped, health, auth)",
             m.cooldowns.clone(),
         );
         registry.register(

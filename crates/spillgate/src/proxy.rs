@@ -29,6 +29,7 @@ use tower_http::timeout::TimeoutBody;
 
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
+use crate::entra::{BearerToken, TokenError};
 use crate::errors::GatewayError;
 use crate::metrics::Label;
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
@@ -966,6 +967,29 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             }
         }
 
+        let backend = &snap.backends[id];
+        let model = chain[ci].model;
+        // A backend with an Entra ID credential needs a token before anything is sent.
+        // Without one it is passed over like a backend that cannot be reached, but no
+        // upstream attempt was made.
+        let token_wait = || remaining().map_or(TOKEN_WAIT, |r| r.min(TOKEN_WAIT));
+        let mut token = match &backend.entra {
+            None => None,
+            Some(source) => match source.bearer(token_wait()).await {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    no_token(app, backend, source, &e);
+                    if let Some(dep) = backend.cfg.deployment_for(model) {
+                        if !tried.contains(&(id, dep)) {
+                            tried.push((id, dep));
+                        }
+                    }
+                    failures.push(Outcome::ConnectError);
+                    pending_failover = Some((id, Label::from("auth")));
+                    continue;
+                }
+            },
+        };
         if attempts == 0 {
             // The budget counts requests that reach a backend.
             if let Ok(mut b) = snap.routes[ctx.route_id].budget.lock() {
@@ -973,8 +997,6 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             }
         }
         attempts += 1;
-        let backend = &snap.backends[id];
-        let model = chain[ci].model;
         let (Some(deployment), Some(dep_name)) = (
             backend.deployment_state(model),
             backend.cfg.deployment_for(model),
@@ -986,7 +1008,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             tried.push((id, dep_name));
         }
 
-        let upstream_req = match build_upstream_request(backend, model, ctx, &mut lazy_body_info) {
+        let upstream_req = match build_upstream_request(
+            backend,
+            model,
+            ctx,
+            &mut lazy_body_info,
+            token.as_deref(),
+        ) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(backend = %backend.cfg.name, error = %e, "could not build the upstream request");
@@ -997,9 +1025,60 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         // The deadline may cut the first-byte timeout short; when it is what fires, the
         // request is over, and the backend is not to blame.
         let left = remaining();
-        let deadline_bound = left.is_some_and(|r| r < first_byte);
+        let mut deadline_bound = left.is_some_and(|r| r < first_byte);
         let timeout = left.map_or(first_byte, |r| r.min(first_byte));
-        let result = app.upstream.send(upstream_req, timeout).await;
+        let mut result = app.upstream.send(upstream_req, timeout).await;
+        // A 401 to a token: it may have been revoked or its identity's roles changed.
+        // The token is renewed (once, however many requests were refused with it) and
+        // the same backend tried again; a second 401 cools the backend.
+        let mut token_refused = false;
+        if let (Some(source), Some(used)) = (&backend.entra, token.clone()) {
+            if matches!(&result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED) {
+                backend.state.set_last_status(401);
+                app.metrics
+                    .attempts
+                    .get_or_create(&vec![
+                        ("backend", (&backend.cfg.name).into()),
+                        ("outcome", Label::from("4xx")),
+                    ])
+                    .inc();
+                discard(result.ok());
+                let fresh = match source.renew_rejected(&used, token_wait()).await {
+                    Ok(t) => t,
+                    Err(e) => {
+                        no_token(app, backend, source, &e);
+                        failures.push(Outcome::ConnectError);
+                        pending_failover = Some((id, Label::from("auth")));
+                        continue;
+                    }
+                };
+                let req = match build_upstream_request(
+                    backend,
+                    model,
+                    ctx,
+                    &mut lazy_body_info,
+                    Some(&fresh),
+                ) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::error!(backend = %backend.cfg.name, error = %e, "could not build the upstream request");
+                        failures.push(Outcome::ConnectError);
+                        continue;
+                    }
+                };
+                token = Some(fresh);
+                attempts += 1;
+                tracing::debug!(backend = %backend.cfg.name, "retrying with a renewed Entra ID token");
+                let left = remaining();
+                deadline_bound = left.is_some_and(|r| r < first_byte);
+                result = app
+                    .upstream
+                    .send(req, left.map_or(first_byte, |r| r.min(first_byte)))
+                    .await;
+                token_refused = matches!(&result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED);
+            }
+        }
+        drop(token);
         let now = app.clock.now_ms();
         let (attempt, outcome, hint, response) = match result {
             Ok(resp) => {
@@ -1062,6 +1141,40 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 ("outcome", outcome_label.clone()),
             ])
             .inc();
+        if token_refused {
+            // A token fresh from the identity service refused: the identity lacks access
+            // to this resource. The backend is taken out and the request moves on; the
+            // client never sees a 401 that is about the gateway's identity.
+            let started = cool(
+                backend,
+                model,
+                &backend.state,
+                CoolReason::Auth,
+                None,
+                now,
+                &snap.config.cooldown,
+                Some(401),
+                &mut rng,
+            );
+            if started {
+                app.metrics
+                    .cooldowns
+                    .get_or_create(&vec![
+                        ("backend", (&backend.cfg.name).into()),
+                        ("reason", "auth".into()),
+                    ])
+                    .inc();
+                tracing::warn!(
+                    backend = %backend.cfg.name,
+                    credential = backend.entra.as_ref().map_or("", |s| s.label()),
+                    "the backend refused a newly obtained Entra ID token (401): does the identity have the \"Cognitive Services OpenAI User\" role on this resource?"
+                );
+            }
+            discard(response);
+            failures.push(Outcome::ConnectError);
+            pending_failover = Some((id, Label::from("auth")));
+            continue;
+        }
         if record_breaker(backend, attempt, hint, now, &snap.config.cooldown, &mut rng) {
             app.metrics
                 .cooldowns
@@ -1292,11 +1405,25 @@ fn cool(
     started
 }
 
+/// Longest a request waits for an Entra ID token that is being fetched (at start, or
+/// after the last one expired); the fetch itself goes on in the background.
+const TOKEN_WAIT: Duration = Duration::from_secs(10);
+
+/// A request found no token for `backend`: the backend cools (until the source's next try,
+/// or briefly while a slow fetch goes on) and the request moves on. The source logs the
+/// cause once per run of failures; this line is per request, so it is a debug line.
+fn no_token(app: &App, backend: &BackendRt, source: &crate::entra::TokenSource, e: &TokenError) {
+    let d = source.retry_in().unwrap_or_default() + crate::app::AUTH_COOLDOWN_GRACE;
+    app.cool_for_auth(backend, d);
+    tracing::debug!(backend = %backend.cfg.name, error = %e, "no Entra ID token for the backend; moving on");
+}
+
 fn build_upstream_request(
     backend: &BackendRt,
     model: &str,
     ctx: &Ctx<'_>,
     lazy_body_info: &mut Option<BodyInfo>,
+    bearer: Option<&BearerToken>,
 ) -> anyhow::Result<http::Request<Full<Bytes>>> {
     let req = ctx.req;
     let deployment = backend
@@ -1347,8 +1474,15 @@ fn build_upstream_request(
     let mut builder = http::Request::builder().method(ctx.method.clone()).uri(uri);
     if let Some(h) = builder.headers_mut() {
         h.clone_from(&ctx.headers);
-        if let Some((name, value)) = &backend.credential {
-            h.insert(name.clone(), value.clone());
+        match bearer {
+            Some(t) => {
+                h.insert(header::AUTHORIZATION, t.header().clone());
+            }
+            None => {
+                if let Some((name, value)) = &backend.credential {
+                    h.insert(name.clone(), value.clone());
+                }
+            }
         }
     }
     Ok(builder.body(Full::new(body))?)
@@ -1584,12 +1718,23 @@ fn exhausted_error(ctx: &Ctx<'_>, failures: &[Outcome], now_ms: u64) -> GatewayE
             ),
         )
     } else {
+        let no_token = cooldowns
+            .iter()
+            .filter(|c| c.reason == CoolReason::Auth)
+            .count();
+        let why = if no_token > 0 {
+            format!(
+                "failing or cooling down, {no_token} of them for lack of a usable Entra ID token"
+            )
+        } else {
+            "failing or cooling down".to_string()
+        };
         GatewayError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable_error",
             "no_backend_available",
             format!(
-                "No backend serving model `{model}` could take the request ({n} configured; failing or cooling down). Retry after the time in the Retry-After header."
+                "No backend serving model `{model}` could take the request ({n} configured; {why}). Retry after the time in the Retry-After header."
             ),
         )
     };

@@ -65,8 +65,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
 pub fn apply_config(app: &Arc<App>, config: Config) -> Result<u64, ReloadError> {
     let old = app.snapshot.load_full();
     let needs_restart = restart_only_changes(&old.config, &config);
-    let snap =
-        Snapshot::build(config, Some(&old)).map_err(|e| ReloadError::Build(format!("{e:#}")))?;
+    let snap = Snapshot::build(config, Some(&old), &app.credentials)
+        .map_err(|e| ReloadError::Build(format!("{e:#}")))?;
     let version = snap.version;
     let names: Vec<String> = snap
         .backends
@@ -74,6 +74,7 @@ pub fn apply_config(app: &Arc<App>, config: Config) -> Result<u64, ReloadError> 
         .map(|b| b.cfg.name.to_string())
         .collect();
     app.snapshot.store(Arc::new(snap));
+    app.start_credentials();
     crate::health::spawn_missing(app, &old);
     tracing::info!(version, backends = ?names, "config reloaded");
     if !needs_restart.is_empty() {

@@ -98,7 +98,8 @@ async fn healthz() -> impl IntoResponse {
 /// Readiness for a load balancer: the gateway answers requests (even when every backend
 /// is throttled it answers 429 with `Retry-After`, which clients need to see, so cooling
 /// backends do not make it unready). The body lists each backend's state and its
-/// deployments' states: names only, no URLs or keys.
+/// deployments' states, and the backends whose Entra ID token is missing: names only, no
+/// URLs, keys or identity errors.
 async fn readyz(State(app): State<Arc<App>>) -> Response {
     let snap = app.snapshot.load();
     let now = app.clock.now_ms();
@@ -112,6 +113,14 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
         let deps = b.deployments.all();
         b.state.is_ready(now) && (deps.is_empty() || deps.iter().any(|(_, d)| d.is_ready(now)))
     });
+    // Backends with an Entra ID credential and no token to send: they cannot serve until
+    // one is obtained (the admin port's /admin/state says why).
+    let without_token: Vec<&str> = snap
+        .backends
+        .iter()
+        .filter(|b| crate::admin::token_state(b).is_some_and(|t| t != "ready"))
+        .map(|b| &*b.cfg.name)
+        .collect();
     let draining = app.draining();
     let status = if draining {
         StatusCode::SERVICE_UNAVAILABLE
@@ -124,6 +133,7 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
             "ready": !draining,
             "draining": draining,
             "any_backend_ready": any_ready,
+            "backends_without_token": without_token,
             "backends": backends,
         })),
     )

@@ -344,6 +344,19 @@ impl BackendState {
         }
     }
 
+    /// Ends a running cooldown early, if it is for `reason` (a token obtained ends a
+    /// cooldown for the lack of one). The backend stays recovering: one probe first.
+    pub fn end_cooldown(&self, reason: CoolReason, now_ms: u64) -> bool {
+        let until = self.cool_until_ms.load(Ordering::Acquire);
+        if until <= now_ms || self.reason.load(Ordering::Relaxed) != reason.to_u8() {
+            return false;
+        }
+        // Only this deadline is ended: a later one set meanwhile (a 429, say) stays.
+        self.cool_until_ms
+            .compare_exchange(until, now_ms, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
     /// Records a cooldown; the later deadline wins. Returns whether this one extended it.
     pub fn cool(&self, cooldown: Cooldown) -> bool {
         self.cool_at(cooldown, u64::MAX).extended
