@@ -316,6 +316,23 @@ impl Capacity {
         Admission::Refuse(fit.map_or(until_probe, |f| f.min(until_probe.max(1))))
     }
 
+    /// Takes in what another gateway instance observed on the same deployment, when it is
+    /// newer than what this one knows: its counters replace ours (the ones it has), and
+    /// this instance's own in-flight reservations stay. Returns whether it was taken.
+    pub fn merge_remote(&mut self, remote: &crate::shared::SharedCapacity) -> bool {
+        if self.observed_ms.is_some_and(|o| o >= remote.observed_ms) {
+            return false;
+        }
+        if remote.tokens.is_some() {
+            self.tokens = remote.tokens;
+        }
+        if remote.requests.is_some() {
+            self.requests = remote.requests;
+        }
+        self.observed_ms = Some(remote.observed_ms);
+        true
+    }
+
     /// Headroom for choosing between backends: the share of the token limit free now.
     pub fn headroom(&self, now_ms: u64) -> Option<f64> {
         let c = self.tokens?;
@@ -328,6 +345,58 @@ impl Capacity {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn newer_remote_observations_replace_counters_and_keep_reservations() {
+        let policy = CapacityPolicy::default();
+        let mut c = Capacity::default();
+        c.observe(
+            &RateLimitHeaders {
+                remaining_tokens: Some(50_000),
+                remaining_requests: Some(90),
+                limit_tokens: Some(60_000),
+                ..RateLimitHeaders::default()
+            },
+            &policy,
+            1_000,
+        );
+        c.reserve(500);
+        let remote = crate::shared::SharedCapacity {
+            observed_ms: 2_000,
+            tokens: Some(Counter {
+                remaining: 100,
+                limit: 60_000,
+                observed_ms: 2_000,
+                full_at_ms: 62_000,
+            }),
+            requests: None,
+        };
+        assert!(c.merge_remote(&remote));
+        assert_eq!(c.tokens.map(|t| t.remaining), Some(100));
+        assert_eq!(
+            c.requests.map(|r| r.remaining),
+            Some(90),
+            "kept: the remote had none"
+        );
+        assert_eq!((c.inflight_tokens, c.inflight_requests), (500, 1));
+        assert_eq!(c.observed_ms, Some(2_000));
+        // An older or equal observation changes nothing.
+        let older = crate::shared::SharedCapacity {
+            observed_ms: 2_000,
+            tokens: None,
+            requests: None,
+        };
+        assert!(!c.merge_remote(&older));
+        // Low priority on this instance now sees the other instance's numbers.
+        let reserve = Reserve {
+            tokens: 1_000,
+            requests: 1,
+        };
+        assert!(matches!(
+            c.admit_low(10, reserve, &policy, false, 2_001),
+            Admission::Refuse(_)
+        ));
+    }
 
     fn headers(pairs: &[(&str, &str)]) -> RateLimitHeaders {
         parse_headers(|n| pairs.iter().find(|(k, _)| *k == n).map(|(_, v)| *v))

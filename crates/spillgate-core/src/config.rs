@@ -93,6 +93,25 @@ pub struct FileConfig {
     pub priority: Option<FilePriority>,
     #[serde(default)]
     pub admin: FileAdmin,
+    /// Where backend state lives: this instance's memory (default) or a Redis shared by
+    /// several instances.
+    #[serde(default)]
+    pub state: FileState,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileState {
+    pub redis_url: Option<String>,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    pub prefix: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    pub timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub connect_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub poll: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -562,7 +581,50 @@ pub struct Config {
     /// Request priority; `None` = every request is treated as high priority.
     pub priority: Option<PriorityConfig>,
     pub admin: AdminConfig,
+    /// Shared state; `None` = this instance's memory only.
+    pub state: Option<RedisConfig>,
 }
+
+/// A Redis shared by several gateway instances (`[state]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// `redis://` (plain) or `rediss://` (TLS).
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+    pub db: i64,
+    /// ACL user name (Redis 6+); `None` = the default user.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// Where the password came from (`REDIS_PASSWORD` or a file path): for `check`.
+    pub password_from: Option<Arc<str>>,
+    /// Prepended to every key and to the event channel, so several gateway clusters (or
+    /// other programs) can share one Redis.
+    pub prefix: String,
+    /// Longest a request may wait on Redis (the cluster-wide probe claim); past it the
+    /// instance decides alone.
+    pub timeout: Duration,
+    /// Longest a connection attempt may take.
+    pub connect_timeout: Duration,
+    /// How often shared state is read back in full (events carry changes as they happen;
+    /// this catches what a lost event missed).
+    pub poll: Duration,
+}
+
+impl RedisConfig {
+    /// The address without credentials, for logs and views: `rediss://host:6380/0`.
+    pub fn display_url(&self) -> String {
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        format!("{scheme}://{host}:{}/{}", self.port, self.db)
+    }
+}
+
+pub const DEFAULT_STATE_PREFIX: &str = "spillgate";
 
 /// The separate admin listener: metrics, state, dashboard.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1961,6 +2023,7 @@ fn validate(
             resolve_secret(t, "admin.token", &mut errors, lookup_env, read_file).map(|(_, s)| s)
         }),
     };
+    let state = validate_state(file.state, &mut errors, lookup_env, read_file);
     let routes = if file.routes.is_empty() {
         vec![Route {
             name: "default".to_string(),
@@ -2006,6 +2069,175 @@ fn validate(
         table,
         priority,
         admin,
+        state,
+    })
+}
+
+/// `[state]`: the Redis several instances share, when set.
+fn validate_state(
+    s: FileState,
+    errors: &mut Errors,
+    lookup_env: &dyn Fn(&str) -> Option<String>,
+    read_file: &dyn Fn(&str) -> Result<String, String>,
+) -> Option<RedisConfig> {
+    let Some(raw) = s.redis_url else {
+        for (set, key) in [
+            (s.username.is_some(), "username"),
+            (s.password.is_some(), "password"),
+            (s.prefix.is_some(), "prefix"),
+            (s.timeout.is_some(), "timeout"),
+            (s.connect_timeout.is_some(), "connect_timeout"),
+            (s.poll.is_some(), "poll"),
+        ] {
+            if set {
+                errors.push(
+                    format!("state.{key}"),
+                    "has no effect without state.redis_url (state is kept in memory)",
+                );
+            }
+        }
+        return None;
+    };
+    let path = "state.redis_url";
+    let url = match url::Url::parse(&raw) {
+        Ok(u) => u,
+        Err(e) => {
+            errors.push(
+                path,
+                format!("is not a URL ({e}); expected redis://host:6379/0 or rediss://host:6380/0"),
+            );
+            return None;
+        }
+    };
+    let tls = match url.scheme() {
+        "redis" => false,
+        "rediss" => true,
+        other => {
+            errors.push(
+                path,
+                format!("must start with redis:// or rediss:// (TLS), got {other}://"),
+            );
+            return None;
+        }
+    };
+    let mut ok = true;
+    if !url.username().is_empty() || url.password().is_some() {
+        // The URL is logged and shown; the password must come by reference.
+        errors.push(
+            path,
+            "must not hold a user name or password: set state.username and state.password = \"env:VAR\"",
+        );
+        ok = false;
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        errors.push(
+            path,
+            "must not have a query or fragment: use the [state] keys",
+        );
+        ok = false;
+    }
+    let host = match url.host() {
+        Some(url::Host::Domain(d)) if !d.is_empty() => d.to_string(),
+        Some(url::Host::Ipv4(a)) => a.to_string(),
+        Some(url::Host::Ipv6(a)) => a.to_string(),
+        _ => {
+            errors.push(path, "has no host");
+            return None;
+        }
+    };
+    let port = url.port().unwrap_or(if tls { 6380 } else { 6379 });
+    let db = match url.path().trim_start_matches('/') {
+        "" => 0,
+        d => match d.parse::<i64>() {
+            Ok(n) if (0..=10_000).contains(&n) => n,
+            _ => {
+                errors.push(
+                    path,
+                    format!("the path must be a database number such as /0, got /{d}"),
+                );
+                ok = false;
+                0
+            }
+        },
+    };
+    let username = match s.username {
+        Some(u) if u.is_empty() || u.len() > 256 || u.chars().any(char::is_whitespace) => {
+            errors.push("state.username", "must be a non-empty name without spaces");
+            ok = false;
+            None
+        }
+        u => u,
+    };
+    let (password_from, password) = match s.password.as_deref() {
+        Some(r) => match resolve_secret(r, "state.password", errors, lookup_env, read_file) {
+            Some((from, p)) => (Some(from), Some(p)),
+            None => {
+                ok = false;
+                (None, None)
+            }
+        },
+        None => (None, None),
+    };
+    let prefix = s.prefix.unwrap_or_else(|| DEFAULT_STATE_PREFIX.to_string());
+    let prefix_ok = !prefix.is_empty()
+        && prefix.len() <= 64
+        && prefix.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':' | b'{' | b'}')
+        });
+    if !prefix_ok {
+        errors.push(
+            "state.prefix",
+            format!(
+                "must be 1 to 64 letters, digits, '-', '_', '.', ':', '{{' or '}}', got {prefix:?}"
+            ),
+        );
+        ok = false;
+    }
+    let mut duration =
+        |v: Option<Duration>, default: Duration, min: Duration, max: Duration, key: &str| {
+            let d = v.unwrap_or(default);
+            if d < min || d > max {
+                errors.push(
+                    format!("state.{key}"),
+                    format!("must be between {min:?} and {max:?}, got {d:?}"),
+                );
+                ok = false;
+            }
+            d
+        };
+    let timeout = duration(
+        s.timeout,
+        Duration::from_millis(5),
+        Duration::from_millis(1),
+        Duration::from_secs(1),
+        "timeout",
+    );
+    let connect_timeout = duration(
+        s.connect_timeout,
+        Duration::from_secs(1),
+        Duration::from_millis(10),
+        Duration::from_secs(30),
+        "connect_timeout",
+    );
+    let poll = duration(
+        s.poll,
+        Duration::from_secs(1),
+        Duration::from_millis(50),
+        Duration::from_secs(10),
+        "poll",
+    );
+    ok.then_some(RedisConfig {
+        tls,
+        host,
+        port,
+        db,
+        username,
+        password,
+        password_from,
+        prefix,
+        timeout,
+        connect_timeout,
+        poll,
     })
 }
 
@@ -2651,6 +2883,86 @@ auth = { entra = "developer" }
                 "{EXAMPLE}\n[cooldown]\nmax = \"15s\"\ndefault_auth = \"1m\"\n"
             )),
             vec!["cooldown.default_auth: must not exceed cooldown.max (15s), got 1m"]
+        );
+    }
+
+    #[test]
+    fn state_defaults_to_memory_and_reads_a_redis_section() {
+        assert_eq!(load_with(EXAMPLE).unwrap().state, None);
+        let vars = |k: &str| match k {
+            "REDIS_PASSWORD" => Some("s3cret".to_string()),
+            k => env(VARS)(k),
+        };
+        let c = load(
+            &format!(
+                "{EXAMPLE}\n[state]\nredis_url = \"rediss://cache.example.net:6380/2\"\nusername = \"gw\"\npassword = \"env:REDIS_PASSWORD\"\nprefix = \"prod-gw\"\ntimeout = \"10ms\"\n"
+            ),
+            &vars,
+            &no_files,
+        )
+        .unwrap();
+        let r = c.state.unwrap();
+        assert!(r.tls);
+        assert_eq!(
+            (r.host.as_str(), r.port, r.db),
+            ("cache.example.net", 6380, 2)
+        );
+        assert_eq!(r.username.as_deref(), Some("gw"));
+        assert_eq!(r.password.as_ref().map(Secret::expose), Some("s3cret"));
+        assert_eq!(r.password_from.as_deref(), Some("REDIS_PASSWORD"));
+        assert_eq!(r.prefix, "prod-gw");
+        assert_eq!(r.timeout, Duration::from_millis(10));
+        assert_eq!(r.poll, Duration::from_secs(1));
+        assert_eq!(r.display_url(), "rediss://cache.example.net:6380/2");
+        assert!(!format!("{r:?}").contains("s3cret"));
+        let plain = load_with(&format!(
+            "{EXAMPLE}\n[state]\nredis_url = \"redis://10.0.0.5\"\n"
+        ))
+        .unwrap()
+        .state
+        .unwrap();
+        assert_eq!(plain.display_url(), "redis://10.0.0.5:6379/0");
+        assert_eq!(plain.prefix, DEFAULT_STATE_PREFIX);
+    }
+
+    #[test]
+    fn state_errors_name_their_field() {
+        let m = messages(&format!(
+            "{EXAMPLE}\n[state]\nredis_url = \"redis://user:hunter2@h:6379/x\"\nprefix = \"a b\"\ntimeout = \"5s\"\npassword = \"hunter2\"\n"
+        ));
+        assert_eq!(m.len(), 5, "{m:#?}");
+        assert!(
+            m[0].starts_with("state.redis_url: must not hold a user name or password"),
+            "{m:#?}"
+        );
+        assert!(
+            m[1].starts_with("state.redis_url: the path must be a database number"),
+            "{m:#?}"
+        );
+        assert!(
+            m[2].starts_with("state.password: must be a reference"),
+            "{m:#?}"
+        );
+        assert!(m[3].starts_with("state.prefix: must be 1 to 64"), "{m:#?}");
+        assert!(
+            m[4].starts_with("state.timeout: must be between 1ms and 1s"),
+            "{m:#?}"
+        );
+        assert!(m.iter().all(|l| !l.contains("hunter2")), "{m:#?}");
+        assert_eq!(
+            messages(&format!("{EXAMPLE}\n[state]\nredis_url = \"http://h\"\n")),
+            vec!["state.redis_url: must start with redis:// or rediss:// (TLS), got http://"]
+        );
+        assert_eq!(
+            messages(&format!("{EXAMPLE}\n[state]\nprefix = \"x\"\n")),
+            vec!["state.prefix: has no effect without state.redis_url (state is kept in memory)"]
+        );
+        assert_eq!(
+            messages(&format!("{EXAMPLE}\n[state]\nredis_ur = \"redis://h\"\n"))[0]
+                .split(',')
+                .next()
+                .unwrap(),
+            "state.redis_ur: unknown field `redis_ur`"
         );
     }
 }

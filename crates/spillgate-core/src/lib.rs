@@ -11,5 +11,6 @@ pub mod outcome;
 pub mod request;
 pub mod retry;
 pub mod routing;
+pub mod shared;
 
 pub use fastrand;

@@ -84,6 +84,19 @@ impl CoolReason {
         }
     }
 
+    /// The inverse of [`CoolReason::as_str`].
+    pub fn parse(s: &str) -> Option<CoolReason> {
+        Some(match s {
+            "429" => CoolReason::Throttled,
+            "5xx" => CoolReason::ServerError,
+            "connect" => CoolReason::ConnectError,
+            "tripped" => CoolReason::Tripped,
+            "health" => CoolReason::Health,
+            "auth" => CoolReason::Auth,
+            _ => return None,
+        })
+    }
+
     pub fn to_u8(self) -> u8 {
         match self {
             CoolReason::Throttled => 1,

@@ -244,6 +244,9 @@ pub struct RetryBudget {
     min_per_second: u32,
     /// `(second, requests, retries)` ring, one slot per second of the window.
     slots: Vec<(u64, u64, u64)>,
+    /// Requests and retries other gateway instances counted in their windows, when
+    /// instances share their budgets: the budget then bounds the cluster's retries.
+    remote: (u64, u64),
 }
 
 /// A snapshot of a budget, for logs and error messages.
@@ -276,7 +279,27 @@ impl RetryBudget {
             },
             min_per_second,
             slots: vec![(u64::MAX, 0, 0); usize::try_from(secs).unwrap_or(60)],
+            remote: (0, 0),
         }
+    }
+
+    /// What other instances counted in their windows (replacing what they said before).
+    pub fn set_remote(&mut self, requests: u64, retries: u64) {
+        self.remote = (requests, retries);
+    }
+
+    /// `(requests, retries)` this instance counted in the window ending at `now_ms`.
+    pub fn local_counts(&self, now_ms: u64) -> (u64, u64) {
+        let sec = now_ms / 1000;
+        let len = self.slots.len() as u64;
+        let (mut requests, mut retries) = (0u64, 0u64);
+        for (s, req, ret) in &self.slots {
+            if *s != u64::MAX && *s <= sec && sec - *s < len {
+                requests = requests.saturating_add(*req);
+                retries = retries.saturating_add(*ret);
+            }
+        }
+        (requests, retries)
     }
 
     fn slot(&mut self, now_ms: u64) -> &mut (u64, u64, u64) {
@@ -306,16 +329,12 @@ impl RetryBudget {
         }
     }
 
+    /// The budget over the window ending at `now_ms`, other instances' counts included.
     pub fn state(&self, now_ms: u64) -> BudgetState {
-        let sec = now_ms / 1000;
         let len = self.slots.len() as u64;
-        let (mut requests, mut retries) = (0, 0);
-        for (s, req, ret) in &self.slots {
-            if *s != u64::MAX && *s <= sec && sec - *s < len {
-                requests += req;
-                retries += ret;
-            }
-        }
+        let (local_requests, local_retries) = self.local_counts(now_ms);
+        let requests = local_requests.saturating_add(self.remote.0);
+        let retries = local_retries.saturating_add(self.remote.1);
         let allowed = u64::from(self.min_per_second) * len + (self.ratio * requests as f64) as u64;
         BudgetState {
             requests,
@@ -442,6 +461,28 @@ mod tests {
         let later = t + 10_000;
         assert_eq!(b.state(later).retries, 0);
         assert!(b.try_withdraw(later));
+    }
+
+    #[test]
+    fn other_instances_counts_share_one_budget() {
+        let mut b = RetryBudget::new(0.5, 0, Duration::from_secs(10));
+        let t = 1_000_000;
+        for _ in 0..10 {
+            b.deposit(t);
+        }
+        // Alone: 5 retries allowed.
+        assert_eq!(b.state(t).allowed, 5);
+        // Another instance sent 10 requests and made 7 retries: 10 allowed in all, 7 used.
+        b.set_remote(10, 7);
+        let st = b.state(t);
+        assert_eq!((st.requests, st.retries, st.allowed), (20, 7, 10));
+        assert_eq!(b.local_counts(t), (10, 0));
+        for _ in 0..3 {
+            assert!(b.try_withdraw(t));
+        }
+        assert!(!b.try_withdraw(t), "the cluster's budget is spent");
+        b.set_remote(0, 0);
+        assert!(b.try_withdraw(t), "alone again");
     }
 
     proptest! {
