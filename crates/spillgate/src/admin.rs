@@ -174,6 +174,7 @@ pub fn state(app: &App) -> serde_json::Value {
         },
         "now_ms": now,
         "draining": app.draining(),
+        "state_store": app.store.status().json(true),
         "backends": backends,
         "routes": routes,
     })

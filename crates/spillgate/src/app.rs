@@ -23,6 +23,7 @@ use crate::entra::{CredentialEvents, Credentials, TokenSource};
 use spillgate_core::outcome::{CoolReason, Cooldown};
 
 use crate::state::{BackendState, Clock};
+use crate::store::StateStore;
 use crate::upstream::{Upstream, UpstreamClient};
 
 /// One backend, ready for the request path.
@@ -338,6 +339,9 @@ pub struct App {
     pub health_tasks: Mutex<HashMap<Arc<str>, u64>>,
     /// The token sources of the backends with Entra ID credentials.
     pub credentials: Credentials,
+    /// Where observations go besides the local view: this instance only, or Redis
+    /// (`[state]`, read at start).
+    pub store: Arc<dyn StateStore>,
 }
 
 /// A token source that cannot get a token cools its backends for a little longer than
@@ -358,6 +362,7 @@ impl App {
             crate::priority::warm_up();
         }
         let credentials = Credentials::new(Arc::clone(&upstream));
+        let store = crate::store::from_config(&config)?;
         let snapshot = Snapshot::build(config, None, &credentials)?;
         let app = Arc::new(App {
             snapshot: ArcSwap::from_pointee(snapshot),
@@ -367,8 +372,10 @@ impl App {
             metrics: crate::metrics::Metrics::new(),
             health_tasks: Mutex::new(HashMap::new()),
             credentials,
+            store,
         });
         app.start_credentials();
+        app.start_store();
         Ok(app)
     }
 
@@ -381,6 +388,12 @@ impl App {
             source.set_events(Arc::new(AppEvents(Arc::downgrade(self))));
             source.start();
         }
+    }
+
+    /// Starts the state store's background work when a runtime is at hand (else when the
+    /// server starts); later calls do nothing.
+    pub fn start_store(self: &Arc<Self>) {
+        Arc::clone(&self.store).start(self);
     }
 
     /// Cools `backend` for lack of a usable token, for `d`; says whether this started a

@@ -72,16 +72,31 @@ pub async fn probe(config: &Config) -> (String, bool) {
 /// [`probe`] over a given client (tests script the identity endpoints).
 pub async fn probe_with(config: &Config, upstream: Arc<dyn Upstream>) -> (String, bool) {
     let mut out = String::new();
+    let mut all_ok = true;
+    if let Some(redis) = &config.state {
+        let _ = writeln!(out, "probing the shared state store:");
+        let _ = writeln!(out, "  Redis at {}", redis.display_url());
+        match crate::store::ping_redis(redis).await {
+            Ok(version) => {
+                let _ = writeln!(out, "    OK: connected, {version}, scripts load");
+            }
+            Err(e) => {
+                all_ok = false;
+                let _ = writeln!(out, "    FAILED: {e}");
+            }
+        }
+    }
     let creds = entra_credentials(config);
     if creds.is_empty() {
-        let _ = writeln!(
-            out,
-            "no backend uses an Entra ID credential: nothing to probe"
-        );
-        return (out, true);
+        if config.state.is_none() {
+            let _ = writeln!(
+                out,
+                "no backend uses an Entra ID credential and state is in memory: nothing to probe"
+            );
+        }
+        return (out, all_ok);
     }
     let _ = writeln!(out, "probing Entra ID credentials:");
-    let mut all_ok = true;
     for (auth, names) in creds {
         let fetcher = SdkFetcher::new(auth.clone(), Arc::clone(&upstream));
         let _ = writeln!(
@@ -173,6 +188,32 @@ fn retry_line(r: &RetryPolicy) -> String {
     )
 }
 
+/// Where backend state lives.
+fn state_line(config: &Config) -> String {
+    match &config.state {
+        None => "backend state: this instance's memory (no [state] redis_url)".to_string(),
+        Some(r) => {
+            let user = r
+                .username
+                .as_deref()
+                .map_or(String::new(), |u| format!(", user {u}"));
+            let password = r
+                .password_from
+                .as_deref()
+                .map_or(", no password".to_string(), |from| {
+                    format!(", password from {from}")
+                });
+            format!(
+                "backend state: shared through Redis at {} (key prefix {:?}{user}{password}); requests wait at most {:?} on it, full re-read every {:?}",
+                r.display_url(),
+                r.prefix,
+                r.timeout,
+                r.poll
+            )
+        }
+    }
+}
+
 /// The routing table as text: routes with their policies and pools, then the models
 /// clients can list and where each goes.
 pub fn render(config: &Config) -> String {
@@ -196,6 +237,7 @@ pub fn render(config: &Config) -> String {
         }
     }
     credential_lines(&mut out, &config.backends);
+    let _ = writeln!(out, "{}", state_line(config));
     let c = &config.cooldown;
     let _ = writeln!(
         out,

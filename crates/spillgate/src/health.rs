@@ -142,13 +142,14 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
             let now = a.clock.now_ms();
             let until_ms =
                 now.saturating_add(u64::try_from(hc.interval.as_millis()).unwrap_or(u64::MAX));
-            let cooled = b.state.cool_at(
-                Cooldown {
-                    until_ms,
-                    reason: CoolReason::Health,
-                },
-                now,
-            );
+            let cooldown = Cooldown {
+                until_ms,
+                reason: CoolReason::Health,
+            };
+            let cooled = b.state.cool_at(cooldown, now);
+            if cooled.extended {
+                a.store.cooled(&b.cfg.name, None, cooldown);
+            }
             // Counted when a cooldown starts, as the proxy counts its own.
             if cooled.started {
                 a.metrics

@@ -20,6 +20,7 @@ pub mod reload;
 pub mod server;
 pub mod sim;
 pub mod state;
+pub mod store;
 pub mod upstream;
 
 use spillgate_core::config::{Config, ConfigErrors};

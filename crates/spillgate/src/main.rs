@@ -27,8 +27,8 @@ enum Command {
     Run,
     /// Validate a config file and print the routing table it resolves to.
     Check {
-        /// Also obtain a token from each Entra ID credential and report the result
-        /// (exits 1 when one fails).
+        /// Also obtain a token from each Entra ID credential and connect to the shared
+        /// state store (Redis), and report the results (exits 1 when one fails).
         #[arg(long)]
         probe: bool,
     },

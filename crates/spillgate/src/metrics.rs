@@ -103,6 +103,8 @@ pub struct Metrics {
     cooling: Family<Labels, Gauge<f64, AtomicU64>>,
     remaining_tokens: Family<Labels, Gauge>,
     remaining_requests: Family<Labels, Gauge>,
+    store_connected: Family<Labels, Gauge>,
+    store_events: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -128,6 +130,8 @@ impl Metrics {
             cooling: Family::default(),
             remaining_tokens: Family::default(),
             remaining_requests: Family::default(),
+            store_connected: Family::default(),
+            store_events: Family::default(),
         };
         registry.register(
             "requests",
@@ -184,6 +188,16 @@ impl Metrics {
             "Requests a deployment has left in its short window, as tracked",
             m.remaining_requests.clone(),
         );
+        registry.register(
+            "state_store_connected",
+            "1 while the shared state store (Redis) is connected, 0 while the gateway decides alone; absent without a shared store",
+            m.store_connected.clone(),
+        );
+        registry.register(
+            "state_store_operations",
+            "Shared state store counts since start: sent (observations written), received (other instances' updates applied), rejected (invalid values read), errors, dropped (write queue full), local_decisions (probe claims not answered in time)",
+            m.store_events.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -227,6 +241,26 @@ impl Metrics {
                         .get_or_create(&labels)
                         .set(i64::try_from(r).unwrap_or(i64::MAX));
                 }
+            }
+        }
+        let store = app.store.status();
+        self.store_connected.clear();
+        self.store_events.clear();
+        if let Some(connected) = store.connected {
+            self.store_connected
+                .get_or_create(&vec![("store", store.kind.into())])
+                .set(i64::from(connected));
+            for (kind, n) in [
+                ("sent", store.sent),
+                ("received", store.received),
+                ("rejected", store.rejected),
+                ("errors", store.errors),
+                ("dropped", store.dropped),
+                ("local_decisions", store.local_decisions),
+            ] {
+                self.store_events
+                    .get_or_create(&vec![("store", store.kind.into()), ("kind", kind.into())])
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
             }
         }
         let mut out = String::new();

@@ -33,6 +33,7 @@ use crate::entra::{BearerToken, TokenError};
 use crate::errors::GatewayError;
 use crate::metrics::Label;
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
+use crate::store::{ProbeClaim, StateStore};
 use crate::upstream::AttemptError;
 
 pub const HEADER_BACKEND: &str = "x-spillgate-backend";
@@ -544,6 +545,50 @@ fn take_probes(backend: &BackendRt, deployment: &Arc<BackendState>) -> Option<Pr
     })
 }
 
+/// Longest a cluster-wide probe slot is held: a probe that takes longer (a long
+/// completion) lets another instance probe too, and a crashed instance's slot frees
+/// itself.
+const CLUSTER_PROBE_TTL: Duration = Duration::from_secs(30);
+
+/// With a shared store, makes the probe slots this instance took the cluster's too: one
+/// probe per recovering backend across every instance. `false` when another instance
+/// is probing (the backend is left alone for a moment). Without an answer in time the
+/// instance decides alone.
+async fn claim_cluster_probes(
+    ctx: &Ctx<'_>,
+    backend: &BackendRt,
+    dep_name: &str,
+    probes: &mut Probes,
+    now: u64,
+) -> bool {
+    let store = &ctx.app.store;
+    if !store.shared() {
+        return true;
+    }
+    let ttl = ctx.snap.config.timeouts.first_byte.min(CLUSTER_PROBE_TTL);
+    for (slot, deployment) in [
+        (&mut probes.resource, None),
+        (&mut probes.deployment, Some(dep_name)),
+    ] {
+        let Some(guard) = slot.as_mut() else { continue };
+        match store.claim_probe(&backend.cfg.name, deployment, ttl).await {
+            ProbeClaim::Granted(cluster) => guard.attach(cluster),
+            ProbeClaim::Local => {}
+            ProbeClaim::Recovered => {
+                // Another instance's probe found it well: not a probe any more.
+                guard.state().remote_recovered(now);
+                *slot = None;
+            }
+            ProbeClaim::Busy => {
+                let until = now + millis(crate::store::REMOTE_PROBE_BUSY);
+                guard.state().remote_probe_busy(until);
+                return false;
+            }
+        }
+    }
+    true
+}
+
 fn usable(backend: &BackendRt, model: &str, now: u64) -> bool {
     backend.state.is_usable(now)
         && backend
@@ -578,7 +623,7 @@ fn low_reserve<'a>(
 /// they had answered 429); when that leaves nothing, a second pass tries them anyway,
 /// since the tracked numbers are estimates. The capacity check and the reservation are
 /// one step, so concurrent requests cannot all take the same remaining capacity.
-fn select_backend<'s>(
+async fn select_backend<'s>(
     ctx: &Ctx<'s>,
     chain: &[Candidate<'_>],
     tried: &[(BackendId, &'s str)],
@@ -625,6 +670,11 @@ fn select_backend<'s>(
                     busy.push(id);
                     continue;
                 };
+                let dep_name = backends[id].cfg.deployment_for(c.model).unwrap_or(c.model);
+                if !claim_cluster_probes(ctx, &backends[id], dep_name, &mut probes, now).await {
+                    busy.push(id);
+                    continue;
+                }
                 let Some((reservation, admission)) =
                     dep.try_reserve(ctx.est_tokens, reserve, strict, now)
                 else {
@@ -854,7 +904,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     }
                 }
             }
-            Next::Select => match select_backend(ctx, &chain, &tried, now, &mut rng) {
+            Next::Select => match select_backend(ctx, &chain, &tried, now, &mut rng).await {
                 Some(pick) => {
                     if attempts > 0 {
                         // Every attempt after the first is paid from the route's budget.
@@ -952,7 +1002,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         let Pick {
             id,
             model: ci,
-            probes,
+            mut probes,
             mut reservation,
         } = pick;
         if let Some((from, reason)) = pending_failover.take() {
@@ -1100,6 +1150,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         .map(|p| p.capacity)
                         .unwrap_or_default();
                     deployment.observe_capacity(&h, &policy, now);
+                    if let Some(dep) = backend.cfg.deployment_for(model) {
+                        app.store.capacity_observed(&backend.cfg.name, dep, &deployment);
+                    }
                     if let Some(r) = reservation.take() {
                         r.settle(None, now);
                     }
@@ -1155,6 +1208,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 &snap.config.cooldown,
                 Some(401),
                 &mut rng,
+                &*app.store,
             );
             if started {
                 app.metrics
@@ -1175,7 +1229,15 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             pending_failover = Some((id, Label::from("auth")));
             continue;
         }
-        if record_breaker(backend, attempt, hint, now, &snap.config.cooldown, &mut rng) {
+        if record_breaker(
+            backend,
+            attempt,
+            hint,
+            now,
+            &snap.config.cooldown,
+            &mut rng,
+            &*app.store,
+        ) {
             app.metrics
                 .cooldowns
                 .get_or_create(&vec![
@@ -1188,11 +1250,11 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             // It answered (a success or the client's own error). Only the request holding
             // a probe slot ends a recovery: a request sent before the cooldown began and
             // answered after it must not.
-            if probes.resource.is_some() {
-                backend.state.recovered();
+            if let Some(g) = probes.resource.as_mut() {
+                g.recovered();
             }
-            if probes.deployment.is_some() {
-                deployment.recovered();
+            if let Some(g) = probes.deployment.as_mut() {
+                g.recovered();
             }
         }
 
@@ -1228,6 +1290,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         &snap.config.cooldown,
                         response.as_ref().map(|r| r.status().as_u16()),
                         &mut rng,
+                        &*app.store,
                     );
                     if started {
                         app.metrics
@@ -1322,6 +1385,7 @@ fn record_breaker(
     now: u64,
     cooldown: &spillgate_core::config::CooldownPolicy,
     rng: &mut fastrand::Rng,
+    store: &dyn StateStore,
 ) -> bool {
     let Some(cfg) = &backend.cfg.breaker else {
         return false;
@@ -1336,10 +1400,13 @@ fn record_breaker(
     backend.state.breaker_clear();
     let d = cfg.policy.trip_for(hint);
     let until_ms = now.saturating_add(millis(d + jitter(d, cooldown, rng)));
-    backend.state.cool(Cooldown {
+    let trip = Cooldown {
         until_ms,
         reason: CoolReason::Tripped,
-    });
+    };
+    if backend.state.cool(trip) {
+        store.cooled(&backend.cfg.name, None, trip);
+    }
     tracing::warn!(
         backend = %backend.cfg.name,
         failures = fails,
@@ -1382,15 +1449,18 @@ fn cool(
     policy: &spillgate_core::config::CooldownPolicy,
     status: Option<u16>,
     rng: &mut fastrand::Rng,
+    store: &dyn StateStore,
 ) -> bool {
     let d = cooldown_duration(reason, hint, policy);
     let until_ms = now.saturating_add(millis(d + jitter(d, policy, rng)));
-    let Cooled { started, extended } = target.cool_at(Cooldown { until_ms, reason }, now);
-    let scope = if std::ptr::eq(target, &*backend.state) {
-        "backend"
-    } else {
-        "deployment"
-    };
+    let cooldown = Cooldown { until_ms, reason };
+    let Cooled { started, extended } = target.cool_at(cooldown, now);
+    let resource = std::ptr::eq(target, &*backend.state);
+    let scope = if resource { "backend" } else { "deployment" };
+    if extended {
+        let deployment = (!resource).then(|| backend.cfg.deployment_for(model).unwrap_or(model));
+        store.cooled(&backend.cfg.name, deployment, cooldown);
+    }
     tracing::info!(
         backend = %backend.cfg.name,
         deployment = backend.cfg.deployment_for(model).unwrap_or(model),

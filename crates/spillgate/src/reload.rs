@@ -58,6 +58,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if old.admin != new.admin {
         v.push("admin");
     }
+    if old.state != new.state {
+        v.push("state");
+    }
     v
 }
 

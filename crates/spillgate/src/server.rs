@@ -98,8 +98,9 @@ async fn healthz() -> impl IntoResponse {
 /// Readiness for a load balancer: the gateway answers requests (even when every backend
 /// is throttled it answers 429 with `Retry-After`, which clients need to see, so cooling
 /// backends do not make it unready). The body lists each backend's state and its
-/// deployments' states, and the backends whose Entra ID token is missing: names only, no
-/// URLs, keys or identity errors.
+/// deployments' states, the backends whose Entra ID token is missing, and whether the
+/// shared state store (Redis) is connected: names only, no URLs, keys or identity errors.
+/// A lost Redis does not make the gateway unready: it serves from its own state.
 async fn readyz(State(app): State<Arc<App>>) -> Response {
     let snap = app.snapshot.load();
     let now = app.clock.now_ms();
@@ -134,6 +135,8 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
             "draining": draining,
             "any_backend_ready": any_ready,
             "backends_without_token": without_token,
+            // Whether the shared store is reachable; the gateway serves either way.
+            "state_store": app.store.status().json(false),
             "backends": backends,
         })),
     )
@@ -180,6 +183,7 @@ pub async fn start(app: Arc<App>) -> anyhow::Result<Running> {
     let addr = listener.local_addr()?;
     let (stop, mut stopped) = watch::channel(false);
     crate::health::spawn(&app);
+    app.start_store();
     let service = router(Arc::clone(&app));
     let task = tokio::spawn(async move {
         let mut http = hyper::server::conn::http1::Builder::new();

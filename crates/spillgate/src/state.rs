@@ -3,9 +3,10 @@
 //! Read on every request by every connection, so the cooldown check is lock-free: a
 //! cooldown is an atomic deadline in unix milliseconds, merged with `fetch_max` so that
 //! the later deadline wins even when two requests observe the same backend at once. The
-//! breaker window and the tracked capacity sit behind short per-backend mutexes. Unix milliseconds (not
-//! process-local instants) keep the values meaningful if they are shared between
-//! instances later.
+//! breaker window and the tracked capacity sit behind short per-backend mutexes. Unix
+//! milliseconds (not process-local instants) keep the values meaningful when they are
+//! shared between instances (see `store`): what other instances learn is merged into this
+//! same state, so the request path reads one local view whatever the store.
 
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -61,6 +62,9 @@ pub struct BackendState {
     last_status: AtomicU16,
     recovering: AtomicBool,
     probe_in_flight: AtomicBool,
+    /// Until when (unix ms) another gateway instance holds this backend's probe, as the
+    /// shared store last said: no need to ask again before then.
+    remote_probe_until_ms: AtomicU64,
     /// Requests and failures in the breaker's window, with the window's length; built on
     /// first use and rebuilt when the configured window changes (e.g. by a reload).
     breaker: Mutex<Option<(std::time::Duration, FailureWindow)>>,
@@ -120,10 +124,32 @@ pub enum Probe {
     Busy,
 }
 
-/// Holds a recovering backend's single probe slot; frees it when dropped, however the
-/// probe ends (answer, failure, or the client going away).
+/// Holds a recovering backend's single probe slot (and, with a shared store, the
+/// cluster's); frees it when dropped, however the probe ends (answer, failure, or the
+/// client going away).
 #[derive(Debug)]
-pub struct ProbeGuard(Arc<BackendState>);
+pub struct ProbeGuard(Arc<BackendState>, Option<crate::store::ClusterProbe>);
+
+impl ProbeGuard {
+    /// Adds the cluster-wide slot to this instance's.
+    pub fn attach(&mut self, cluster: crate::store::ClusterProbe) {
+        self.1 = Some(cluster);
+    }
+
+    /// The probe answered well: the backend is fully back (for every instance, when the
+    /// slot is the cluster's).
+    pub fn recovered(&mut self) {
+        self.0.recovered();
+        if let Some(c) = self.1.as_mut() {
+            c.recovered();
+        }
+    }
+
+    /// The state this guard probes.
+    pub fn state(&self) -> &Arc<BackendState> {
+        &self.0
+    }
+}
 
 impl Drop for ProbeGuard {
     fn drop(&mut self) {
@@ -182,11 +208,37 @@ impl BackendState {
         self.cool_until_ms.load(Ordering::Relaxed) <= now_ms
     }
 
-    /// Ready and, if recovering, with its probe slot free.
+    /// Ready and, if recovering, with its probe slot free (here and, as far as this
+    /// instance knows, on the other instances).
     pub fn is_usable(&self, now_ms: u64) -> bool {
         self.is_ready(now_ms)
             && !(self.recovering.load(Ordering::Acquire)
-                && self.probe_in_flight.load(Ordering::Acquire))
+                && (self.probe_in_flight.load(Ordering::Acquire)
+                    || self.remote_probe_until_ms.load(Ordering::Relaxed) > now_ms))
+    }
+
+    /// Another instance holds the probe: leave the backend alone until `until_ms`.
+    pub fn remote_probe_busy(&self, until_ms: u64) {
+        self.remote_probe_until_ms.store(until_ms, Ordering::Relaxed);
+    }
+
+    /// Another instance's probe found the backend well. Ignored while a cooldown runs
+    /// here (a newer failure than the probe's answer).
+    pub fn remote_recovered(&self, now_ms: u64) -> bool {
+        if !self.is_ready(now_ms) || !self.recovering.load(Ordering::Acquire) {
+            return false;
+        }
+        self.remote_probe_until_ms.store(0, Ordering::Relaxed);
+        self.recovered();
+        true
+    }
+
+    /// Takes in another instance's capacity observation when it is newer than ours.
+    pub fn merge_remote_capacity(&self, remote: &spillgate_core::shared::SharedCapacity) -> bool {
+        self.capacity
+            .lock()
+            .map(|mut c| c.merge_remote(remote))
+            .unwrap_or(false)
     }
 
     pub fn is_recovering(&self) -> bool {
@@ -205,7 +257,7 @@ impl BackendState {
             Ordering::AcqRel,
             Ordering::Acquire,
         ) {
-            Ok(_) => Probe::Acquired(ProbeGuard(Arc::clone(self))),
+            Ok(_) => Probe::Acquired(ProbeGuard(Arc::clone(self), None)),
             Err(_) => Probe::Busy,
         }
     }

@@ -1,0 +1,179 @@
+//! Where what the gateway learns about its backends goes, besides its own memory.
+//!
+//! Every request decides from this instance's local view (`state.rs`): atomics and short
+//! mutexes, read without waiting on anything. A [`StateStore`] is told what this instance
+//! observes (a cooldown started, a deployment's remaining capacity) and keeps the local
+//! view in step with other instances:
+//!
+//! - [`MemoryStore`] (the default) keeps everything to this instance. Its methods do
+//!   nothing, so a single gateway pays nothing for the abstraction.
+//! - [`RedisStore`] (`[state] redis_url`) writes each observation through to Redis from a
+//!   background task (the request never waits for it), and merges what other instances
+//!   write into the local view as their events arrive, re-reading everything every
+//!   `state.poll` in case an event was lost. The one decision made cluster-wide on the
+//!   request path is who probes a recovering backend: one Redis call, bounded by
+//!   `state.timeout` (a few milliseconds); past it, or without Redis, the instance
+//!   decides alone, as a single instance would.
+
+mod redis;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use spillgate_core::outcome::Cooldown;
+
+use crate::app::App;
+use crate::state::BackendState;
+
+pub use self::redis::{ping as ping_redis, ClusterProbe, RedisStore};
+
+/// After the cluster says another instance is probing a backend: how long this one
+/// leaves it alone before asking again.
+pub const REMOTE_PROBE_BUSY: Duration = Duration::from_millis(100);
+
+/// What a cluster-wide probe claim decided.
+#[derive(Debug)]
+pub enum ProbeClaim {
+    /// This request is the cluster's probe; the slot is released when the guard drops.
+    Granted(ClusterProbe),
+    /// Another instance is probing the backend.
+    Busy,
+    /// Another instance's probe already found the backend well: no probe needed.
+    Recovered,
+    /// No shared answer (no shared store, or it is unreachable or slow): the instance
+    /// decides alone.
+    Local,
+}
+
+/// How the store is doing, for `/readyz`, `/admin/state` and `/metrics`.
+#[derive(Debug, Clone, Default)]
+pub struct StoreStatus {
+    pub kind: &'static str,
+    /// `None` for a store with nothing to connect to.
+    pub connected: Option<bool>,
+    /// The address without credentials.
+    pub url: Option<String>,
+    pub prefix: Option<String>,
+    /// This instance's id in shared state and events.
+    pub instance: Option<String>,
+    /// When the connection last came up or went down (unix ms).
+    pub since_ms: Option<u64>,
+    pub last_error: Option<String>,
+    /// Observations written to the shared store.
+    pub sent: u64,
+    /// Updates from other instances that changed the local view.
+    pub received: u64,
+    /// Values read from the store that were refused or clamped.
+    pub rejected: u64,
+    /// Store operations that failed.
+    pub errors: u64,
+    /// Observations not written because the write queue was full.
+    pub dropped: u64,
+    /// Probe claims decided locally because the store did not answer in time.
+    pub local_decisions: u64,
+}
+
+impl StoreStatus {
+    /// As JSON; `detail` (the admin port) adds the address, prefix and counters.
+    pub fn json(&self, detail: bool) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "kind": self.kind,
+            "connected": self.connected,
+        });
+        if detail {
+            v["url"] = serde_json::json!(self.url);
+            v["prefix"] = serde_json::json!(self.prefix);
+            v["instance"] = serde_json::json!(self.instance);
+            v["since_ms"] = serde_json::json!(self.since_ms);
+            v["last_error"] = serde_json::json!(self.last_error);
+            v["sent"] = serde_json::json!(self.sent);
+            v["received"] = serde_json::json!(self.received);
+            v["rejected"] = serde_json::json!(self.rejected);
+            v["errors"] = serde_json::json!(self.errors);
+            v["dropped"] = serde_json::json!(self.dropped);
+            v["local_decisions"] = serde_json::json!(self.local_decisions);
+        }
+        v
+    }
+}
+
+/// Where observations about backends go besides the local view (see the module docs).
+/// Observations are reported after they are applied locally; a store must never block
+/// the caller.
+#[async_trait::async_trait]
+pub trait StateStore: Send + Sync {
+    fn kind(&self) -> &'static str;
+
+    /// Whether other instances share the state (the probe claim is worth a call).
+    fn shared(&self) -> bool {
+        false
+    }
+
+    /// Starts background work, once a runtime is at hand; calling it again does nothing.
+    fn start(self: Arc<Self>, _app: &Arc<App>) {}
+
+    /// A cooldown this instance started or extended (`deployment: None`: the whole
+    /// backend).
+    fn cooled(&self, _backend: &str, _deployment: Option<&str>, _cooldown: Cooldown) {}
+
+    /// This instance took in a deployment's rate-limit headers.
+    fn capacity_observed(&self, _backend: &str, _deployment: &str, _state: &BackendState) {}
+
+    /// Asks for the cluster's probe slot of a recovering backend, for at most `ttl`.
+    async fn claim_probe(
+        &self,
+        _backend: &str,
+        _deployment: Option<&str>,
+        _ttl: Duration,
+    ) -> ProbeClaim {
+        ProbeClaim::Local
+    }
+
+    fn status(&self) -> StoreStatus;
+}
+
+/// This instance's memory only: the local view is the whole state.
+#[derive(Debug, Default)]
+pub struct MemoryStore;
+
+#[async_trait::async_trait]
+impl StateStore for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn status(&self) -> StoreStatus {
+        StoreStatus {
+            kind: "memory",
+            ..StoreStatus::default()
+        }
+    }
+}
+
+/// The store a config asks for.
+pub fn from_config(config: &spillgate_core::config::Config) -> anyhow::Result<Arc<dyn StateStore>> {
+    Ok(match &config.state {
+        None => Arc::new(MemoryStore),
+        Some(redis) => Arc::new(RedisStore::new(redis.clone())?),
+    })
+}
+
+/// The longest cooldown `config` can produce: the bound for deadlines read from a shared
+/// store (anything later is clamped to it).
+pub fn longest_cooldown(config: &spillgate_core::config::Config) -> Duration {
+    let c = &config.cooldown;
+    let mut longest = c
+        .max
+        .max(c.default_429)
+        .max(c.default_5xx)
+        .max(c.default_connect);
+    for b in &config.backends {
+        if let Some(br) = &b.breaker {
+            longest = longest.max(br.policy.trip);
+        }
+        if let Some(h) = &b.health_check {
+            longest = longest.max(h.interval);
+        }
+    }
+    longest + c.max_jitter + Duration::from_secs(1)
+}

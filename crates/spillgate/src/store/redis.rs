@@ -1,0 +1,1170 @@
+//! Backend state shared through Redis by several gateway instances.
+//!
+//! Layout (all under `state.prefix`, `spillgate` by default; `{target}` is the backend
+//! name, or `backend/deployment` for one deployment):
+//!
+//! | key | value | written by |
+//! |---|---|---|
+//! | `{prefix}:cool:{target}` | `{until_ms}:{reason}`, expires after the deadline | the cooldown script: the later deadline wins |
+//! | `{prefix}:cap:{target}` | `{observed_ms};{tokens};{requests}` | the capacity script: the newest observation wins |
+//! | `{prefix}:probe:{target}` | a probe token, or `recovered` | the probe scripts: `SET NX PX` semantics |
+//! | `{prefix}:budget:{route}` | hash: instance id → `{requests}:{retries}:{at_ms}` | the budget script |
+//! | `{prefix}:events` | pub/sub channel | the scripts above, in the same atomic step |
+//!
+//! One background task owns the connection. It connects (and reconnects, with backoff),
+//! subscribes to the event channel, re-publishes this instance's live cooldowns and
+//! capacity and reads the shared state back in full (so instances converge within a
+//! poll interval of Redis returning), then serves: events are merged into the local
+//! view as they arrive, observations queued by requests are written, and the shared
+//! state is re-read every `state.poll`. The request path never waits on this task:
+//! observations go into a coalescing queue (one pending write per key; a full queue
+//! drops, never blocks), and the only Redis call a request makes, the probe claim, has
+//! its own timeout of a few milliseconds.
+//!
+//! The connection is supervised here rather than by the client library's connection
+//! manager, because the gateway must know when the link goes and comes back: to log it
+//! once each way, to decide alone while it is down, and to re-sync when it returns.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use futures_util::StreamExt;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, IntoConnectionInfo, Script};
+use spillgate_core::config::RedisConfig;
+use spillgate_core::outcome::Cooldown;
+use spillgate_core::shared::{self, BudgetShare, Event, SharedCapacity, Target};
+use tokio::sync::Notify;
+
+use super::{ProbeClaim, StateStore, StoreStatus};
+use crate::app::App;
+use crate::state::BackendState;
+
+/// Longest any background operation may take before the link is taken for lost.
+const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Reconnection backoff: from this, doubling, up to `RECONNECT_MAX`, with jitter.
+const RECONNECT_MIN: Duration = Duration::from_millis(100);
+const RECONNECT_MAX: Duration = Duration::from_secs(2);
+
+/// Most pending writes per kind; past it new observations are dropped (and counted).
+/// The keys are bounded by the config (backends, their tracked deployments), so this is
+/// only reached when Redis is far behind.
+const MAX_PENDING: usize = 4096;
+
+/// Capacity observations expire from Redis after this (they are stale long before).
+const CAPACITY_TTL_MS: u64 = 600_000;
+
+/// How long a successful probe's `recovered` mark stays, for instances that missed the
+/// event.
+const RECOVERED_MARK_MS: u64 = 10_000;
+
+/// The longest a probe key may live; one with a longer (or no) expiry is not ours.
+const PROBE_KEY_MAX_MS: u64 = 60_000;
+
+/// A shown invalid value is followed by at most one more warning in this long.
+const INVALID_WARN_EVERY_MS: u64 = 60_000;
+
+/// Records a cooldown; the later deadline wins. A stored deadline that is over, or later
+/// than any configurable cooldown, or not a deadline at all, does not block a real one.
+/// A new cooldown also ends the `recovered` mark (or a stale probe) of its target.
+const COOL_SCRIPT: &str = r"
+local new = tonumber(ARGV[1])
+local now = tonumber(ARGV[4])
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'string' then
+  local t = tonumber(string.match(cur, '^(%d+):'))
+  if t and t > now and t <= now + tonumber(ARGV[5]) and t >= new then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2], 'PX', ARGV[3])
+redis.call('DEL', KEYS[2])
+redis.call('PUBLISH', ARGV[6], ARGV[7])
+return 1
+";
+
+/// Records a capacity observation unless a newer one is stored (one dated far in the
+/// future is garbage and replaced).
+const CAPACITY_SCRIPT: &str = r"
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'string' then
+  local t = tonumber(string.match(cur, '^(%d+);'))
+  if t and t >= tonumber(ARGV[1]) and t <= tonumber(ARGV[4]) + 5000 then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('PUBLISH', ARGV[5], ARGV[6])
+return 1
+";
+
+/// Claims a probe slot: 1 granted, 0 held by another, 2 another's probe succeeded. A
+/// value that is not ours to respect (wrong type, no expiry, an expiry longer than any
+/// we set) is replaced.
+const CLAIM_SCRIPT: &str = r"
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'string' then
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 and ttl <= tonumber(ARGV[3]) then
+    if cur == 'recovered' then return 2 end
+    if cur == ARGV[1] then return 1 end
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+";
+
+/// Gives a probe slot back, if it is still ours.
+const RELEASE_SCRIPT: &str = r"
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+";
+
+/// A probe succeeded: marks the target recovered (unless another instance holds a newer
+/// probe) and tells everyone.
+const RECOVERED_SCRIPT: &str = r"
+local cur = redis.pcall('GET', KEYS[1])
+if cur == ARGV[1] or type(cur) ~= 'string' then
+  redis.call('SET', KEYS[1], 'recovered', 'PX', ARGV[2])
+end
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return 1
+";
+
+/// Stores this instance's share of a route's retry budget and returns the others'
+/// (dropping those not renewed since ARGV[4]: their instance stopped or lost Redis).
+const BUDGET_SCRIPT: &str = r"
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then
+  redis.call('DEL', KEYS[1])
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local all = redis.call('HGETALL', KEYS[1])
+local out = {}
+local oldest = tonumber(ARGV[4])
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] then
+    local at = tonumber(string.match(all[i + 1], ':(%d+)$'))
+    if at == nil or at < oldest then
+      redis.call('HDEL', KEYS[1], all[i])
+    elseif #out < 1000 then
+      out[#out + 1] = all[i + 1]
+    end
+  end
+end
+return out
+";
+
+struct Scripts {
+    cool: Script,
+    capacity: Script,
+    claim: Script,
+    release: Script,
+    recovered: Script,
+    budget: Script,
+}
+
+impl Scripts {
+    fn new() -> Scripts {
+        Scripts {
+            cool: Script::new(COOL_SCRIPT),
+            capacity: Script::new(CAPACITY_SCRIPT),
+            claim: Script::new(CLAIM_SCRIPT),
+            release: Script::new(RELEASE_SCRIPT),
+            recovered: Script::new(RECOVERED_SCRIPT),
+            budget: Script::new(BUDGET_SCRIPT),
+        }
+    }
+
+    fn all(&self) -> [&Script; 6] {
+        [
+            &self.cool,
+            &self.capacity,
+            &self.claim,
+            &self.release,
+            &self.recovered,
+            &self.budget,
+        ]
+    }
+}
+
+/// What a finished probe leaves to write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ProbeOp {
+    Release(String),
+    Recovered(String),
+}
+
+/// Writes waiting for the background task, one per key: a newer observation of the same
+/// key replaces (or merges into) the pending one.
+#[derive(Default)]
+struct Pending {
+    cooldowns: HashMap<Target, Cooldown>,
+    capacity: HashMap<Target, SharedCapacity>,
+    probes: HashMap<Target, ProbeOp>,
+}
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.cooldowns.is_empty() && self.capacity.is_empty() && self.probes.is_empty()
+    }
+}
+
+/// The queue between requests and the background writer.
+#[derive(Default)]
+struct WriteQueue {
+    pending: Mutex<Pending>,
+    wake: Notify,
+    dropped: AtomicU64,
+}
+
+impl WriteQueue {
+    fn push(&self, f: impl FnOnce(&mut Pending) -> bool) {
+        let queued = match self.pending.lock() {
+            Ok(mut p) => f(&mut p),
+            Err(_) => false,
+        };
+        if queued {
+            self.wake.notify_one();
+        } else {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn cooldown(&self, t: Target, c: Cooldown) {
+        self.push(|p| {
+            if let Some(old) = p.cooldowns.get_mut(&t) {
+                if c.until_ms > old.until_ms {
+                    *old = c;
+                }
+                return true;
+            }
+            if p.cooldowns.len() >= MAX_PENDING {
+                return false;
+            }
+            p.cooldowns.insert(t, c);
+            true
+        });
+    }
+
+    fn capacity(&self, t: Target, c: SharedCapacity) {
+        self.push(|p| {
+            if let Some(old) = p.capacity.get_mut(&t) {
+                if c.observed_ms >= old.observed_ms {
+                    *old = c;
+                }
+                return true;
+            }
+            if p.capacity.len() >= MAX_PENDING {
+                return false;
+            }
+            p.capacity.insert(t, c);
+            true
+        });
+    }
+
+    fn probe(&self, t: Target, op: ProbeOp) {
+        self.push(|p| {
+            // A recovery implies the release of the same slot: it is not undone by it.
+            if let (Some(ProbeOp::Recovered(pending)), ProbeOp::Release(token)) =
+                (p.probes.get(&t), &op)
+            {
+                if pending == token {
+                    return true;
+                }
+            }
+            if p.probes.len() >= MAX_PENDING && !p.probes.contains_key(&t) {
+                return false;
+            }
+            p.probes.insert(t, op);
+            true
+        });
+    }
+
+    fn take(&self) -> Pending {
+        self.pending
+            .lock()
+            .map(|mut p| std::mem::take(&mut *p))
+            .unwrap_or_default()
+    }
+}
+
+/// This instance's cluster-wide probe slot of one backend or deployment. Dropping it gives
+/// the slot back (queued, never blocking); after [`ClusterProbe::recovered`] it marks the
+/// backend recovered for every instance instead.
+pub struct ClusterProbe {
+    queue: Arc<WriteQueue>,
+    target: Target,
+    token: String,
+    recovered: bool,
+}
+
+impl ClusterProbe {
+    pub fn recovered(&mut self) {
+        self.recovered = true;
+    }
+}
+
+impl std::fmt::Debug for ClusterProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterProbe")
+            .field("target", &self.target)
+            .field("recovered", &self.recovered)
+            .finish()
+    }
+}
+
+impl Drop for ClusterProbe {
+    fn drop(&mut self) {
+        let token = std::mem::take(&mut self.token);
+        let op = if self.recovered {
+            ProbeOp::Recovered(token)
+        } else {
+            ProbeOp::Release(token)
+        };
+        self.queue.probe(self.target.clone(), op);
+    }
+}
+
+#[derive(Default)]
+struct Stats {
+    sent: AtomicU64,
+    received: AtomicU64,
+    rejected: AtomicU64,
+    errors: AtomicU64,
+    local_decisions: AtomicU64,
+    last_invalid_warn_ms: AtomicU64,
+}
+
+#[derive(Default)]
+struct Link {
+    since_ms: Option<u64>,
+    last_error: Option<String>,
+}
+
+/// Backend state shared through Redis (see the module docs).
+pub struct RedisStore {
+    cfg: RedisConfig,
+    client: redis::Client,
+    /// This instance's id: its own events are skipped, its budget share is its field.
+    instance: String,
+    channel: String,
+    /// The live connection; `None` while Redis is unreachable.
+    conn: ArcSwapOption<MultiplexedConnection>,
+    queue: Arc<WriteQueue>,
+    scripts: Scripts,
+    started: AtomicBool,
+    probe_seq: AtomicU64,
+    stats: Stats,
+    link: Mutex<Link>,
+}
+
+/// Why serving a connection ended.
+enum Ended {
+    Lost(String),
+    Stopped,
+}
+
+fn describe(e: &redis::RedisError) -> String {
+    // Errors carry the command at most, never the password.
+    e.to_string()
+}
+
+/// Whether an error means the connection is gone (rather than one command failing).
+fn is_link_error(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal()
+}
+
+fn now_unix_ms() -> u64 {
+    spillgate_core::outcome::unix_ms(std::time::SystemTime::now())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl RedisStore {
+    pub fn new(cfg: RedisConfig) -> anyhow::Result<RedisStore> {
+        let client = client_for(&cfg)?;
+        let instance = format!("{:012x}", fastrand::u64(..) & 0xffff_ffff_ffff);
+        Ok(RedisStore {
+            channel: format!("{}:events", cfg.prefix),
+            cfg,
+            client,
+            instance,
+            conn: ArcSwapOption::empty(),
+            queue: Arc::new(WriteQueue::default()),
+            scripts: Scripts::new(),
+            started: AtomicBool::new(false),
+            probe_seq: AtomicU64::new(0),
+            stats: Stats::default(),
+            link: Mutex::new(Link::default()),
+        })
+    }
+
+    fn key(&self, kind: &str, t: &Target) -> String {
+        format!("{}:{kind}:{}", self.cfg.prefix, t.path())
+    }
+
+    fn connected(&self) -> bool {
+        self.conn.load().is_some()
+    }
+
+    fn set_link(&self, since_ms: Option<u64>, error: Option<String>) {
+        if let Ok(mut l) = self.link.lock() {
+            if since_ms.is_some() {
+                l.since_ms = since_ms;
+            }
+            if error.is_some() {
+                l.last_error = error;
+            }
+        }
+    }
+
+    /// A value read from Redis was refused or clamped: counted, and logged at most once a
+    /// minute (a corrupted key is read every poll).
+    fn invalid(&self, key: &str, why: &str) {
+        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        let now = now_unix_ms();
+        let last = self.stats.last_invalid_warn_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= INVALID_WARN_EVERY_MS
+            && self
+                .stats
+                .last_invalid_warn_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(key, problem = why, "ignored an invalid value in Redis (shown once a minute)");
+        } else {
+            tracing::debug!(key, problem = why, "ignored an invalid value in Redis");
+        }
+    }
+
+    /// Opens the command connection and the event subscription.
+    async fn connect(&self) -> Result<(MultiplexedConnection, redis::aio::PubSub), String> {
+        let limit = self.cfg.connect_timeout;
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(limit))
+            .set_response_timeout(Some(BACKGROUND_TIMEOUT));
+        let mut conn = match tokio::time::timeout(
+            limit + BACKGROUND_TIMEOUT,
+            self.client.get_multiplexed_async_connection_with_config(&config),
+        )
+        .await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(describe(&e)),
+            Err(_) => return Err(format!("no connection within {limit:?}")),
+        };
+        let mut pubsub = match tokio::time::timeout(limit, self.client.get_async_pubsub()).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => return Err(describe(&e)),
+            Err(_) => return Err(format!("no subscription connection within {limit:?}")),
+        };
+        match tokio::time::timeout(BACKGROUND_TIMEOUT, pubsub.subscribe(&self.channel)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(describe(&e)),
+            Err(_) => return Err("SUBSCRIBE got no answer".to_string()),
+        }
+        for s in self.scripts.all() {
+            match tokio::time::timeout(BACKGROUND_TIMEOUT, s.load_async(&mut conn)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(describe(&e)),
+                Err(_) => return Err("SCRIPT LOAD got no answer".to_string()),
+            }
+        }
+        Ok((conn, pubsub))
+    }
+
+    /// The connection's whole life: connect, re-sync, serve, and again when it is lost.
+    async fn supervise(self: Arc<Self>, app: Weak<App>) {
+        let url = self.cfg.display_url();
+        let mut delay = RECONNECT_MIN;
+        // Whether the current outage was reported (one warning per outage).
+        let mut reported = false;
+        let mut ever = false;
+        loop {
+            if app.strong_count() == 0 {
+                return;
+            }
+            let (conn, pubsub) = match self.connect().await {
+                Ok(c) => c,
+                Err(e) => {
+                    if !reported {
+                        tracing::warn!(redis = %url, error = %e, "cannot reach Redis: serving from this instance's own state and retrying in the background");
+                        reported = true;
+                        self.set_link(Some(now_unix_ms()), None);
+                    } else {
+                        tracing::debug!(redis = %url, error = %e, "Redis still unreachable");
+                    }
+                    self.set_link(None, Some(e));
+                    let jitter = fastrand::u64(0..=millis(delay) / 4);
+                    tokio::time::sleep(delay + Duration::from_millis(jitter)).await;
+                    delay = (delay * 2).min(RECONNECT_MAX);
+                    continue;
+                }
+            };
+            delay = RECONNECT_MIN;
+            self.conn.store(Some(Arc::new(conn.clone())));
+            let resync = match app.upgrade() {
+                Some(a) => self.resync(&a, conn.clone()).await,
+                None => return,
+            };
+            let ended = match resync {
+                Err(e) => Ended::Lost(e),
+                Ok(()) => {
+                    self.set_link(Some(now_unix_ms()), None);
+                    if reported {
+                        tracing::info!(redis = %url, "connection to Redis is back; shared state re-synced");
+                    } else if !ever {
+                        tracing::info!(redis = %url, prefix = %self.cfg.prefix, instance = %self.instance, "sharing backend state through Redis");
+                    }
+                    reported = false;
+                    ever = true;
+                    self.serve(&app, conn, pubsub).await
+                }
+            };
+            self.conn.store(None);
+            match ended {
+                Ended::Stopped => return,
+                Ended::Lost(e) => {
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    self.set_link(Some(now_unix_ms()), Some(e.clone()));
+                    if !reported {
+                        tracing::warn!(redis = %url, error = %e, "lost the connection to Redis: serving from this instance's own state and reconnecting");
+                        reported = true;
+                    }
+                    if let Some(a) = app.upgrade() {
+                        forget_remote_budgets(&a);
+                    }
+                }
+            }
+        }
+    }
+
+    /// After (re)connecting: tells Redis what this instance knows that is still live
+    /// (what it learnt while Redis was away, or everything after Redis lost its data),
+    /// then reads back what the others know.
+    async fn resync(&self, app: &Arc<App>, mut conn: MultiplexedConnection) -> Result<(), String> {
+        let snap = app.snapshot.load_full();
+        let now = app.clock.now_ms();
+        for (target, state) in targets(&snap) {
+            if let Some(c) = state.cooldown(now) {
+                if shared::is_shared(c.reason) {
+                    self.queue.cooldown(target.clone(), c);
+                }
+            }
+            if target.deployment.is_some() {
+                if let Some(c) = SharedCapacity::of(&state.capacity()) {
+                    self.queue.capacity(target, c);
+                }
+            }
+        }
+        drop(snap);
+        self.flush(app, &mut conn).await?;
+        self.poll(app, &mut conn).await
+    }
+
+    async fn serve(
+        &self,
+        app: &Weak<App>,
+        mut conn: MultiplexedConnection,
+        pubsub: redis::aio::PubSub,
+    ) -> Ended {
+        let mut events = pubsub.into_on_message();
+        let mut tick = tokio::time::interval(self.cfg.poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first tick is immediate; the re-sync has just read everything.
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                msg = events.next() => {
+                    let Some(msg) = msg else {
+                        return Ended::Lost("the event subscription closed".to_string());
+                    };
+                    let Some(app) = app.upgrade() else { return Ended::Stopped };
+                    self.on_event(&app, msg.get_payload_bytes());
+                }
+                _ = tick.tick() => {
+                    let Some(app) = app.upgrade() else { return Ended::Stopped };
+                    if let Err(e) = self.poll(&app, &mut conn).await {
+                        return Ended::Lost(e);
+                    }
+                }
+                _ = self.queue.wake.notified() => {
+                    let Some(app) = app.upgrade() else { return Ended::Stopped };
+                    if let Err(e) = self.flush(&app, &mut conn).await {
+                        return Ended::Lost(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs one background operation: a link error (or no answer in time) ends the
+    /// connection; any other error is counted and logged, and the caller moves on.
+    async fn op<T>(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<Option<T>, String> {
+        match tokio::time::timeout(BACKGROUND_TIMEOUT, fut).await {
+            Ok(Ok(v)) => Ok(Some(v)),
+            Ok(Err(e)) if is_link_error(&e) => Err(format!("{what}: {}", describe(&e))),
+            Ok(Err(e)) => {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                let msg = format!("{what}: {}", describe(&e));
+                tracing::warn!(error = %msg, "a Redis operation failed");
+                self.set_link(None, Some(msg));
+                Ok(None)
+            }
+            Err(_) => Err(format!("{what}: no answer within {BACKGROUND_TIMEOUT:?}")),
+        }
+    }
+
+    /// Writes what requests queued.
+    async fn flush(&self, app: &Arc<App>, conn: &mut MultiplexedConnection) -> Result<(), String> {
+        let pending = self.queue.take();
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let now = app.clock.now_ms();
+        let longest = millis(crate::store::longest_cooldown(&app.snapshot.load().config));
+        for (target, c) in pending.cooldowns {
+            if c.until_ms <= now {
+                continue;
+            }
+            let event = shared::encode_event(
+                &self.instance,
+                &Event::Cooled(target.clone(), shared::encode_cooldown(c)),
+            );
+            let ttl = c.until_ms - now + 60_000;
+            let written: Option<i64> = self
+                .op(
+                    "cooldown",
+                    self.scripts
+                        .cool
+                        .key(self.key("cool", &target))
+                        .key(self.key("probe", &target))
+                        .arg(c.until_ms)
+                        .arg(c.reason.as_str())
+                        .arg(ttl)
+                        .arg(now)
+                        .arg(longest)
+                        .arg(&self.channel)
+                        .arg(event)
+                        .invoke_async(conn),
+                )
+                .await?;
+            if written == Some(1) {
+                self.stats.sent.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        for (target, c) in pending.capacity {
+            let value = shared::encode_capacity(&c);
+            let event =
+                shared::encode_event(&self.instance, &Event::Capacity(target.clone(), value.clone()));
+            let written: Option<i64> = self
+                .op(
+                    "capacity",
+                    self.scripts
+                        .capacity
+                        .key(self.key("cap", &target))
+                        .arg(c.observed_ms)
+                        .arg(value)
+                        .arg(CAPACITY_TTL_MS)
+                        .arg(now)
+                        .arg(&self.channel)
+                        .arg(event)
+                        .invoke_async(conn),
+                )
+                .await?;
+            if written == Some(1) {
+                self.stats.sent.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        for (target, op) in pending.probes {
+            let key = self.key("probe", &target);
+            match op {
+                ProbeOp::Release(token) => {
+                    let _: Option<i64> = self
+                        .op(
+                            "probe release",
+                            self.scripts.release.key(key).arg(token).invoke_async(conn),
+                        )
+                        .await?;
+                }
+                ProbeOp::Recovered(token) => {
+                    let event =
+                        shared::encode_event(&self.instance, &Event::Recovered(target.clone()));
+                    let _: Option<i64> = self
+                        .op(
+                            "probe recovered",
+                            self.scripts
+                                .recovered
+                                .key(key)
+                                .arg(token)
+                                .arg(RECOVERED_MARK_MS)
+                                .arg(&self.channel)
+                                .arg(event)
+                                .invoke_async(conn),
+                        )
+                        .await?;
+                    self.stats.sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads every shared cooldown and capacity of the running config's backends into the
+    /// local view, and trades retry-budget shares.
+    async fn poll(&self, app: &Arc<App>, conn: &mut MultiplexedConnection) -> Result<(), String> {
+        let snap = app.snapshot.load_full();
+        let targets = targets(&snap);
+        if !targets.is_empty() {
+            let mut cmd = redis::cmd("MGET");
+            for (t, _) in &targets {
+                cmd.arg(self.key("cool", t));
+            }
+            for (t, _) in &targets {
+                cmd.arg(self.key("cap", t));
+            }
+            let values: Option<Vec<Option<Vec<u8>>>> =
+                self.op("read", cmd.query_async(conn)).await?;
+            let values = values.unwrap_or_default();
+            let now = app.clock.now_ms();
+            let longest = millis(crate::store::longest_cooldown(&snap.config));
+            let (cools, caps) = values.split_at(values.len().min(targets.len()));
+            for ((t, state), v) in targets.iter().zip(cools) {
+                if let Some(v) = v {
+                    self.apply_cooldown(&self.key("cool", t), state, v, now, longest);
+                }
+            }
+            for ((t, state), v) in targets.iter().zip(caps) {
+                if let (Some(v), Some(_)) = (v, &t.deployment) {
+                    self.apply_capacity(&self.key("cap", t), state, v, now);
+                }
+            }
+        }
+        // Retry budgets: this instance's counts out, the others' in.
+        let poll_ms = millis(self.cfg.poll);
+        let stale = (3 * poll_ms).max(3_000);
+        for (route, rt) in snap.config.table.routes.iter().zip(&snap.routes) {
+            let now = app.clock.now_ms();
+            let (requests, retries) = rt
+                .budget
+                .lock()
+                .map(|b| b.local_counts(now))
+                .unwrap_or_default();
+            let share = shared::encode_budget(BudgetShare { requests, retries }, now);
+            let key = format!("{}:budget:{}", self.cfg.prefix, route.name);
+            let window = millis(route.retry.budget.window);
+            let others: Option<Vec<Vec<u8>>> = self
+                .op(
+                    "budget",
+                    self.scripts
+                        .budget
+                        .key(&key)
+                        .arg(&self.instance)
+                        .arg(share)
+                        .arg(window.saturating_add(stale))
+                        .arg(now.saturating_sub(stale))
+                        .invoke_async(conn),
+                )
+                .await?;
+            let Some(others) = others else { continue };
+            let sum = shared::sum_budget(others.iter().filter_map(|v| {
+                let text = std::str::from_utf8(v).ok();
+                match text.map(|t| shared::decode_budget(t, now, stale)) {
+                    Some(Ok(share)) => share,
+                    Some(Err(e)) => {
+                        self.invalid(&key, &e.0);
+                        None
+                    }
+                    None => {
+                        self.invalid(&key, "not text");
+                        None
+                    }
+                }
+            }));
+            if let Ok(mut b) = rt.budget.lock() {
+                b.set_remote(sum.requests, sum.retries);
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_cooldown(&self, key: &str, state: &BackendState, v: &[u8], now: u64, longest: u64) {
+        let Ok(text) = std::str::from_utf8(v) else {
+            self.invalid(key, "not text");
+            return;
+        };
+        match shared::decode_cooldown(text, now, longest) {
+            Ok(Some(read)) => {
+                if read.clamped {
+                    self.invalid(key, "deadline beyond the longest configured cooldown; clamped");
+                }
+                if state.cool_at(read.cooldown, now).extended {
+                    self.stats.received.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => self.invalid(key, &e.0),
+        }
+    }
+
+    fn apply_capacity(&self, key: &str, state: &BackendState, v: &[u8], now: u64) {
+        let Ok(text) = std::str::from_utf8(v) else {
+            self.invalid(key, "not text");
+            return;
+        };
+        match shared::decode_capacity(text, now) {
+            Ok(Some(c)) => {
+                if state.merge_remote_capacity(&c) {
+                    self.stats.received.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => self.invalid(key, &e.0),
+        }
+    }
+
+    /// Merges another instance's event into the local view.
+    fn on_event(&self, app: &Arc<App>, payload: &[u8]) {
+        let channel = self.channel.as_str();
+        let Ok(text) = std::str::from_utf8(payload) else {
+            self.invalid(channel, "event is not text");
+            return;
+        };
+        let (origin, event) = match shared::decode_event(text) {
+            Ok(e) => e,
+            Err(e) => {
+                self.invalid(channel, &e.0);
+                return;
+            }
+        };
+        if origin == self.instance {
+            return;
+        }
+        let snap = app.snapshot.load();
+        let target = match &event {
+            Event::Cooled(t, _) | Event::Capacity(t, _) | Event::Recovered(t) => t,
+        };
+        // Events about backends or deployments this config does not have are not ours.
+        let Some(state) = state_of(&snap, target) else {
+            return;
+        };
+        let now = app.clock.now_ms();
+        match &event {
+            Event::Cooled(_, v) => {
+                let longest = millis(crate::store::longest_cooldown(&snap.config));
+                self.apply_cooldown(channel, &state, v.as_bytes(), now, longest);
+            }
+            Event::Capacity(_, v) => self.apply_capacity(channel, &state, v.as_bytes(), now),
+            Event::Recovered(_) => {
+                if state.remote_recovered(now) {
+                    self.stats.received.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+/// The client for `cfg`: the address from the URL, the credentials from their references.
+fn client_for(cfg: &RedisConfig) -> anyhow::Result<redis::Client> {
+    let info = cfg
+        .display_url()
+        .into_connection_info()
+        .map_err(|e| anyhow::anyhow!("state.redis_url: {e}"))?;
+    let mut settings = info.redis_settings().clone();
+    if let Some(u) = &cfg.username {
+        settings = settings.set_username(u);
+    }
+    if let Some(p) = &cfg.password {
+        settings = settings.set_password(p.expose());
+    }
+    let info = info.set_redis_settings(settings);
+    redis::Client::open(info).map_err(|e| anyhow::anyhow!("state.redis_url: {e}"))
+}
+
+/// Connects to `cfg`'s Redis as the gateway would and asks for its version (for
+/// `spillgate check --probe`). The error says what failed, never the password.
+pub async fn ping(cfg: &RedisConfig) -> Result<String, String> {
+    let client = client_for(cfg).map_err(|e| e.to_string())?;
+    let limit = cfg.connect_timeout;
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(limit))
+        .set_response_timeout(Some(BACKGROUND_TIMEOUT));
+    let mut conn = match tokio::time::timeout(
+        limit + BACKGROUND_TIMEOUT,
+        client.get_multiplexed_async_connection_with_config(&config),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return Err(describe(&e)),
+        Err(_) => return Err(format!("no connection within {limit:?}")),
+    };
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| describe(&e))?;
+    let version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .map_or("version unknown".to_string(), |v| format!("Redis {}", v.trim()));
+    // The scripts the gateway runs must load (some managed Redis offerings restrict Lua).
+    let mut conn2 = conn.clone();
+    for s in Scripts::new().all() {
+        s.load_async(&mut conn2).await.map_err(|e| describe(&e))?;
+    }
+    Ok(version)
+}
+
+/// Every state of `snap` that is shared: each backend as a whole and each deployment it
+/// tracks.
+fn targets(snap: &crate::app::Snapshot) -> Vec<(Target, Arc<BackendState>)> {
+    let mut out = Vec::new();
+    for b in &snap.backends {
+        out.push((
+            Target {
+                backend: b.cfg.name.to_string(),
+                deployment: None,
+            },
+            Arc::clone(&b.state),
+        ));
+        for (d, state) in b.deployments.all() {
+            out.push((
+                Target {
+                    backend: b.cfg.name.to_string(),
+                    deployment: Some(d),
+                },
+                state,
+            ));
+        }
+    }
+    out
+}
+
+/// The local state an event's target names, if this config has it. A deployment is
+/// taken only when the backend serves it (any name, for a backend without a map: the
+/// same bounded set of names requests can create).
+fn state_of(snap: &crate::app::Snapshot, t: &Target) -> Option<Arc<BackendState>> {
+    let b = snap.backends.iter().find(|b| *b.cfg.name == *t.backend)?;
+    match &t.deployment {
+        None => Some(Arc::clone(&b.state)),
+        Some(d) => {
+            let served = b
+                .cfg
+                .deployments
+                .as_ref()
+                .is_none_or(|m| m.values().any(|v| v == d));
+            served.then(|| b.deployments.get(d))
+        }
+    }
+}
+
+/// Without Redis each instance bounds its own retries again.
+fn forget_remote_budgets(app: &App) {
+    for rt in &app.snapshot.load().routes {
+        if let Ok(mut b) = rt.budget.lock() {
+            b.set_remote(0, 0);
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl StateStore for RedisStore {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn start(self: Arc<Self>, app: &Arc<App>) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        handle.spawn(self.supervise(Arc::downgrade(app)));
+    }
+
+    fn cooled(&self, backend: &str, deployment: Option<&str>, cooldown: Cooldown) {
+        if !shared::is_shared(cooldown.reason) {
+            return;
+        }
+        self.queue.cooldown(
+            Target {
+                backend: backend.to_string(),
+                deployment: deployment.map(str::to_string),
+            },
+            cooldown,
+        );
+    }
+
+    fn capacity_observed(&self, backend: &str, deployment: &str, state: &BackendState) {
+        if let Some(c) = SharedCapacity::of(&state.capacity()) {
+            self.queue.capacity(
+                Target {
+                    backend: backend.to_string(),
+                    deployment: Some(deployment.to_string()),
+                },
+                c,
+            );
+        }
+    }
+
+    async fn claim_probe(
+        &self,
+        backend: &str,
+        deployment: Option<&str>,
+        ttl: Duration,
+    ) -> ProbeClaim {
+        let Some(conn) = self.conn.load_full() else {
+            return ProbeClaim::Local;
+        };
+        let mut conn = (*conn).clone();
+        let target = Target {
+            backend: backend.to_string(),
+            deployment: deployment.map(str::to_string),
+        };
+        let token = format!(
+            "{}-{}",
+            self.instance,
+            self.probe_seq.fetch_add(1, Ordering::Relaxed)
+        );
+        let ttl_ms = millis(ttl).clamp(1_000, PROBE_KEY_MAX_MS);
+        let mut claim = self.scripts.claim.prepare_invoke();
+        claim
+            .key(self.key("probe", &target))
+            .arg(&token)
+            .arg(ttl_ms)
+            .arg(PROBE_KEY_MAX_MS);
+        match tokio::time::timeout(self.cfg.timeout, claim.invoke_async::<i64>(&mut conn)).await {
+            Ok(Ok(1)) => ProbeClaim::Granted(ClusterProbe {
+                queue: Arc::clone(&self.queue),
+                target,
+                token,
+                recovered: false,
+            }),
+            Ok(Ok(2)) => ProbeClaim::Recovered,
+            Ok(Ok(_)) => ProbeClaim::Busy,
+            Ok(Err(e)) => {
+                self.stats.local_decisions.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(error = %describe(&e), "probe claim failed; deciding locally");
+                ProbeClaim::Local
+            }
+            Err(_) => {
+                // The claim may still land: give it back, so it does not hold the slot.
+                self.stats.local_decisions.fetch_add(1, Ordering::Relaxed);
+                self.queue.probe(target, ProbeOp::Release(token));
+                ProbeClaim::Local
+            }
+        }
+    }
+
+    fn status(&self) -> StoreStatus {
+        let (since_ms, last_error) = self
+            .link
+            .lock()
+            .map(|l| (l.since_ms, l.last_error.clone()))
+            .unwrap_or_default();
+        StoreStatus {
+            kind: "redis",
+            connected: Some(self.connected()),
+            url: Some(self.cfg.display_url()),
+            prefix: Some(self.cfg.prefix.clone()),
+            instance: Some(self.instance.clone()),
+            since_ms,
+            last_error,
+            sent: self.stats.sent.load(Ordering::Relaxed),
+            received: self.stats.received.load(Ordering::Relaxed),
+            rejected: self.stats.rejected.load(Ordering::Relaxed),
+            errors: self.stats.errors.load(Ordering::Relaxed),
+            dropped: self.queue.dropped.load(Ordering::Relaxed),
+            local_decisions: self.stats.local_decisions.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(b: &str, d: Option<&str>) -> Target {
+        Target {
+            backend: b.into(),
+            deployment: d.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn the_queue_coalesces_per_key() {
+        let q = Arc::new(WriteQueue::default());
+        let c = |until_ms| Cooldown {
+            until_ms,
+            reason: spillgate_core::outcome::CoolReason::Throttled,
+        };
+        q.cooldown(t("a", None), c(100));
+        q.cooldown(t("a", None), c(50));
+        q.cooldown(t("a", Some("d")), c(70));
+        q.cooldown(t("a", None), c(200));
+        let cap = |observed_ms| SharedCapacity {
+            observed_ms,
+            tokens: None,
+            requests: None,
+        };
+        q.capacity(t("a", Some("d")), cap(5));
+        q.capacity(t("a", Some("d")), cap(3));
+        // A finished probe that recovered is not undone by its own release.
+        let mut p = ClusterProbe {
+            queue: Arc::clone(&q),
+            target: t("a", None),
+            token: "tok".into(),
+            recovered: false,
+        };
+        p.recovered();
+        drop(p);
+        q.probe(t("a", None), ProbeOp::Release("tok".into()));
+        let pending = q.take();
+        assert_eq!(pending.cooldowns.len(), 2);
+        assert_eq!(pending.cooldowns[&t("a", None)].until_ms, 200);
+        assert_eq!(pending.capacity[&t("a", Some("d"))].observed_ms, 5);
+        assert_eq!(
+            pending.probes[&t("a", None)],
+            ProbeOp::Recovered("tok".into())
+        );
+        assert!(q.take().is_empty());
+    }
+
+    #[test]
+    fn a_full_queue_drops_instead_of_blocking() {
+        let q = WriteQueue::default();
+        let c = Cooldown {
+            until_ms: 1,
+            reason: spillgate_core::outcome::CoolReason::Throttled,
+        };
+        for i in 0..MAX_PENDING + 10 {
+            q.cooldown(t(&format!("b{i}"), None), c);
+        }
+        assert_eq!(q.dropped.load(Ordering::Relaxed), 10);
+        // An update of a key already pending still lands.
+        q.cooldown(t("b0", None), Cooldown { until_ms: 9, ..c });
+        assert_eq!(q.dropped.load(Ordering::Relaxed), 10);
+        assert_eq!(q.take().cooldowns[&t("b0", None)].until_ms, 9);
+    }
+}
