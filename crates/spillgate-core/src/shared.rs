@@ -288,6 +288,22 @@ impl Target {
             Some(d) => format!("{}/{d}", self.backend),
         }
     }
+
+    /// The inverse of [`Target::path`], for names read back from the store; `None` for
+    /// anything that is not a valid backend (and deployment) name.
+    pub fn from_path(s: &str) -> Option<Target> {
+        let (backend, deployment) = match s.split_once('/') {
+            Some((b, d)) => (b, Some(d)),
+            None => (s, None),
+        };
+        if !valid_name(backend) || deployment.is_some_and(|d| !valid_name(d)) {
+            return None;
+        }
+        Some(Target {
+            backend: backend.to_string(),
+            deployment: deployment.map(str::to_string),
+        })
+    }
 }
 
 /// What one instance tells the others (published on the store's channel).
@@ -497,6 +513,10 @@ mod tests {
             deployment: Some("gpt-4o:ft-1".into()),
         };
         assert_eq!(t.path(), "ptu-eastus/gpt-4o:ft-1");
+        assert_eq!(Target::from_path(&t.path()), Some(t.clone()));
+        for bad in ["", "a/", "/d", "a/b/c", "a b/c", "a/c*"] {
+            assert_eq!(Target::from_path(bad), None, "{bad:?}");
+        }
         let resource = Target {
             backend: "ptu-eastus".into(),
             deployment: None,

@@ -16,6 +16,9 @@
 //! * serve Entra ID token endpoints too ([`MockIdentity`]) and accept the
 //!   bearer tokens issued there.
 //!
+//! For gateways that share state, [`RedisServer`] runs a real `redis-server` on a free
+//! loopback port for the duration of a test.
+//!
 //! Everything is also reachable over HTTP under `/_mock/` (`GET state`,
 //! `POST script`, `POST default`, `POST reset`, `POST identity`) for tests that run the
 //! `spillgate-mock` binary out of process.
@@ -26,6 +29,7 @@ mod handler;
 mod identity;
 mod limiter;
 mod openai;
+mod redis;
 mod reply;
 mod server;
 mod state;
@@ -33,6 +37,7 @@ mod state;
 pub use config::{Limits, MockConfig, DEFAULT_NAME, DEFAULT_STREAM_CHUNKS};
 pub use identity::{IdentityControl, IdentityView, MockIdentity};
 pub use openai::stream_text;
+pub use redis::{free_port, redis_server_binary, RedisServer};
 pub use reply::{Reply, ReplyBody};
 pub use server::MockBackend;
 pub use state::{MockState, RecordedRequest};

@@ -1151,7 +1151,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         .unwrap_or_default();
                     deployment.observe_capacity(&h, &policy, now);
                     if let Some(dep) = backend.cfg.deployment_for(model) {
-                        app.store.capacity_observed(&backend.cfg.name, dep, &deployment);
+                        app.store
+                            .capacity_observed(&backend.cfg.name, dep, &deployment);
                     }
                     if let Some(r) = reservation.take() {
                         r.settle(None, now);

@@ -219,7 +219,8 @@ impl BackendState {
 
     /// Another instance holds the probe: leave the backend alone until `until_ms`.
     pub fn remote_probe_busy(&self, until_ms: u64) {
-        self.remote_probe_until_ms.store(until_ms, Ordering::Relaxed);
+        self.remote_probe_until_ms
+            .store(until_ms, Ordering::Relaxed);
     }
 
     /// Another instance's probe found the backend well. Ignored while a cooldown runs

@@ -9,6 +9,7 @@
 //! | `{prefix}:cap:{target}` | `{observed_ms};{tokens};{requests}` | the capacity script: the newest observation wins |
 //! | `{prefix}:probe:{target}` | a probe token, or `recovered` | the probe scripts: `SET NX PX` semantics |
 //! | `{prefix}:budget:{route}` | hash: instance id → `{requests}:{retries}:{at_ms}` | the budget script |
+//! | `{prefix}:targets` | hash: `backend/deployment` → last write (unix ms) | the cooldown and capacity scripts |
 //! | `{prefix}:events` | pub/sub channel | the scripts above, in the same atomic step |
 //!
 //! One background task owns the connection. It connects (and reconnects, with backoff),
@@ -58,6 +59,13 @@ const MAX_PENDING: usize = 4096;
 /// Capacity observations expire from Redis after this (they are stale long before).
 const CAPACITY_TTL_MS: u64 = 600_000;
 
+/// Deployments not written for this long leave the targets hash; the hash itself expires
+/// this long after the last write.
+const TARGETS_TTL_MS: u64 = 3_600_000;
+
+/// Most listed deployments taken in per poll.
+const MAX_TARGETS: usize = 4096;
+
 /// How long a successful probe's `recovered` mark stays, for instances that missed the
 /// event.
 const RECOVERED_MARK_MS: u64 = 10_000;
@@ -70,7 +78,9 @@ const INVALID_WARN_EVERY_MS: u64 = 60_000;
 
 /// Records a cooldown; the later deadline wins. A stored deadline that is over, or later
 /// than any configurable cooldown, or not a deadline at all, does not block a real one.
-/// A new cooldown also ends the `recovered` mark (or a stale probe) of its target.
+/// A new cooldown also ends the `recovered` mark (or a stale probe) of its target, and a
+/// deployment is listed in the targets hash, so instances that have not served it yet
+/// (a backend without a `deployments` map) read it too.
 const COOL_SCRIPT: &str = r"
 local new = tonumber(ARGV[1])
 local now = tonumber(ARGV[4])
@@ -83,12 +93,16 @@ if type(cur) == 'string' then
 end
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2], 'PX', ARGV[3])
 redis.call('DEL', KEYS[2])
+if ARGV[8] ~= '' then
+  redis.call('HSET', KEYS[3], ARGV[8], ARGV[4])
+  redis.call('PEXPIRE', KEYS[3], ARGV[9])
+end
 redis.call('PUBLISH', ARGV[6], ARGV[7])
 return 1
 ";
 
 /// Records a capacity observation unless a newer one is stored (one dated far in the
-/// future is garbage and replaced).
+/// future is garbage and replaced), and lists the deployment in the targets hash.
 const CAPACITY_SCRIPT: &str = r"
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'string' then
@@ -98,6 +112,8 @@ if type(cur) == 'string' then
   end
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[7], ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[8])
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
 ";
@@ -359,6 +375,8 @@ pub struct RedisStore {
     channel: String,
     /// The live connection; `None` while Redis is unreachable.
     conn: ArcSwapOption<MultiplexedConnection>,
+    /// Connected and re-synced (what views report as connected).
+    synced: AtomicBool,
     queue: Arc<WriteQueue>,
     scripts: Scripts,
     started: AtomicBool,
@@ -401,6 +419,7 @@ impl RedisStore {
             client,
             instance,
             conn: ArcSwapOption::empty(),
+            synced: AtomicBool::new(false),
             queue: Arc::new(WriteQueue::default()),
             scripts: Scripts::new(),
             started: AtomicBool::new(false),
@@ -414,8 +433,12 @@ impl RedisStore {
         format!("{}:{kind}:{}", self.cfg.prefix, t.path())
     }
 
+    fn targets_key(&self) -> String {
+        format!("{}:targets", self.cfg.prefix)
+    }
+
     fn connected(&self) -> bool {
-        self.conn.load().is_some()
+        self.synced.load(Ordering::Acquire)
     }
 
     fn set_link(&self, since_ms: Option<u64>, error: Option<String>) {
@@ -442,7 +465,11 @@ impl RedisStore {
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            tracing::warn!(key, problem = why, "ignored an invalid value in Redis (shown once a minute)");
+            tracing::warn!(
+                key,
+                problem = why,
+                "ignored an invalid value in Redis (shown once a minute)"
+            );
         } else {
             tracing::debug!(key, problem = why, "ignored an invalid value in Redis");
         }
@@ -456,7 +483,8 @@ impl RedisStore {
             .set_response_timeout(Some(BACKGROUND_TIMEOUT));
         let mut conn = match tokio::time::timeout(
             limit + BACKGROUND_TIMEOUT,
-            self.client.get_multiplexed_async_connection_with_config(&config),
+            self.client
+                .get_multiplexed_async_connection_with_config(&config),
         )
         .await
         {
@@ -521,6 +549,7 @@ impl RedisStore {
             let ended = match resync {
                 Err(e) => Ended::Lost(e),
                 Ok(()) => {
+                    self.synced.store(true, Ordering::Release);
                     self.set_link(Some(now_unix_ms()), None);
                     if reported {
                         tracing::info!(redis = %url, "connection to Redis is back; shared state re-synced");
@@ -532,6 +561,7 @@ impl RedisStore {
                     self.serve(&app, conn, pubsub).await
                 }
             };
+            self.synced.store(false, Ordering::Release);
             self.conn.store(None);
             match ended {
                 Ended::Stopped => return,
@@ -654,6 +684,7 @@ impl RedisStore {
                         .cool
                         .key(self.key("cool", &target))
                         .key(self.key("probe", &target))
+                        .key(self.targets_key())
                         .arg(c.until_ms)
                         .arg(c.reason.as_str())
                         .arg(ttl)
@@ -661,6 +692,12 @@ impl RedisStore {
                         .arg(longest)
                         .arg(&self.channel)
                         .arg(event)
+                        .arg(if target.deployment.is_some() {
+                            target.path()
+                        } else {
+                            String::new()
+                        })
+                        .arg(TARGETS_TTL_MS)
                         .invoke_async(conn),
                 )
                 .await?;
@@ -670,20 +707,25 @@ impl RedisStore {
         }
         for (target, c) in pending.capacity {
             let value = shared::encode_capacity(&c);
-            let event =
-                shared::encode_event(&self.instance, &Event::Capacity(target.clone(), value.clone()));
+            let event = shared::encode_event(
+                &self.instance,
+                &Event::Capacity(target.clone(), value.clone()),
+            );
             let written: Option<i64> = self
                 .op(
                     "capacity",
                     self.scripts
                         .capacity
                         .key(self.key("cap", &target))
+                        .key(self.targets_key())
                         .arg(c.observed_ms)
                         .arg(value)
                         .arg(CAPACITY_TTL_MS)
                         .arg(now)
                         .arg(&self.channel)
                         .arg(event)
+                        .arg(target.path())
+                        .arg(TARGETS_TTL_MS)
                         .invoke_async(conn),
                 )
                 .await?;
@@ -729,6 +771,7 @@ impl RedisStore {
     /// local view, and trades retry-budget shares.
     async fn poll(&self, app: &Arc<App>, conn: &mut MultiplexedConnection) -> Result<(), String> {
         let snap = app.snapshot.load_full();
+        self.discover(app, &snap, conn).await?;
         let targets = targets(&snap);
         if !targets.is_empty() {
             let mut cmd = redis::cmd("MGET");
@@ -803,6 +846,54 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Starts tracking the deployments other instances wrote about that this one has not
+    /// served yet (only those its config serves), so the poll reads them too. Entries not
+    /// written for an hour are dropped.
+    async fn discover(
+        &self,
+        app: &Arc<App>,
+        snap: &crate::app::Snapshot,
+        conn: &mut MultiplexedConnection,
+    ) -> Result<(), String> {
+        let key = self.targets_key();
+        // A flat field, value, field, value... list.
+        let listed: Option<Vec<Vec<u8>>> = self
+            .op("targets", redis::cmd("HGETALL").arg(&key).query_async(conn))
+            .await?;
+        let listed = listed.unwrap_or_default();
+        let now = app.clock.now_ms();
+        let mut stale: Vec<&[u8]> = Vec::new();
+        for pair in listed.chunks_exact(2).take(MAX_TARGETS) {
+            let (field, at) = (pair[0].as_slice(), pair[1].as_slice());
+            let target = std::str::from_utf8(field).ok().and_then(Target::from_path);
+            let at = std::str::from_utf8(at)
+                .ok()
+                .and_then(|a| a.parse::<u64>().ok());
+            match (target, at) {
+                (Some(t), Some(at)) if now.saturating_sub(at) <= TARGETS_TTL_MS => {
+                    if t.deployment.is_some() {
+                        // Creates the deployment's state when the config serves it.
+                        let _ = state_of(snap, &t);
+                    }
+                }
+                (Some(_), Some(_)) => stale.push(field),
+                _ => {
+                    self.invalid(&key, "not a backend/deployment entry");
+                    stale.push(field);
+                }
+            }
+        }
+        if !stale.is_empty() {
+            let _: Option<i64> = self
+                .op(
+                    "targets",
+                    redis::cmd("HDEL").arg(&key).arg(stale).query_async(conn),
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
     fn apply_cooldown(&self, key: &str, state: &BackendState, v: &[u8], now: u64, longest: u64) {
         let Ok(text) = std::str::from_utf8(v) else {
             self.invalid(key, "not text");
@@ -811,7 +902,10 @@ impl RedisStore {
         match shared::decode_cooldown(text, now, longest) {
             Ok(Some(read)) => {
                 if read.clamped {
-                    self.invalid(key, "deadline beyond the longest configured cooldown; clamped");
+                    self.invalid(
+                        key,
+                        "deadline beyond the longest configured cooldown; clamped",
+                    );
                 }
                 if state.cool_at(read.cooldown, now).extended {
                     self.stats.received.fetch_add(1, Ordering::Relaxed);
@@ -922,7 +1016,9 @@ pub async fn ping(cfg: &RedisConfig) -> Result<String, String> {
     let version = info
         .lines()
         .find_map(|l| l.strip_prefix("redis_version:"))
-        .map_or("version unknown".to_string(), |v| format!("Redis {}", v.trim()));
+        .map_or("version unknown".to_string(), |v| {
+            format!("Redis {}", v.trim())
+        });
     // The scripts the gateway runs must load (some managed Redis offerings restrict Lua).
     let mut conn2 = conn.clone();
     for s in Scripts::new().all() {

@@ -1,0 +1,154 @@
+//! A real `redis-server` for tests and benchmarks of gateways that share state: started
+//! on a free loopback port with persistence off, killed (SIGKILL) when dropped.
+//!
+//! Not a mock: the point of those tests is the real server's behaviour (Lua, pub/sub,
+//! dropped connections when it dies). When the binary is missing, [`RedisServer::start`]
+//! says so with `Ok(None)` so a test can skip loudly instead of failing obscurely;
+//! `./test.sh` installs it.
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A `redis-server` process on `127.0.0.1:port`.
+pub struct RedisServer {
+    bin: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+/// `redis-server` from `REDIS_SERVER`, or the first one on `PATH`.
+pub fn redis_server_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("REDIS_SERVER") {
+        return Some(PathBuf::from(p));
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join("redis-server"))
+        .find(|p| p.is_file())
+}
+
+/// A loopback port nothing listens on right now.
+pub fn free_port() -> anyhow::Result<u16> {
+    let l = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
+    Ok(l.local_addr()?.port())
+}
+
+impl RedisServer {
+    /// Starts a server on a free port and waits until it answers `PING`. `Ok(None)` when
+    /// no `redis-server` binary is installed.
+    pub async fn start() -> anyhow::Result<Option<RedisServer>> {
+        let Some(bin) = redis_server_binary() else {
+            return Ok(None);
+        };
+        let mut s = RedisServer {
+            bin,
+            port: free_port()?,
+            child: None,
+        };
+        s.restart().await?;
+        Ok(Some(s))
+    }
+
+    /// A handle for a server on a free port that is not started yet (a gateway can be
+    /// pointed at it before it exists). `Ok(None)` without the binary.
+    pub fn unstarted() -> anyhow::Result<Option<RedisServer>> {
+        let Some(bin) = redis_server_binary() else {
+            return Ok(None);
+        };
+        Ok(Some(RedisServer {
+            bin,
+            port: free_port()?,
+            child: None,
+        }))
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:{port}`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Whether the process is running (started and not killed).
+    pub fn running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Kills the server at once (SIGKILL: no shutdown, connections just drop) and waits
+    /// for the process to end.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// (Re)starts the server on the same port, empty, and waits until it answers.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        let child = Command::new(&self.bin)
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .args(["--loglevel", "warning"])
+            .arg("--dir")
+            .arg(std::env::temp_dir())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", self.bin.display()))?;
+        self.child = Some(child);
+        for _ in 0..200 {
+            if self.ping().await {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        self.kill();
+        anyhow::bail!(
+            "redis-server on port {} did not answer within 5 s",
+            self.port
+        )
+    }
+
+    /// Whether the server answers `PING` now.
+    pub async fn ping(&self) -> bool {
+        matches!(self.command(&["PING"]).await, Ok(r) if r.starts_with("+PONG"))
+    }
+
+    /// Sends one command (inline arguments without spaces or quoting needs) and returns
+    /// the raw reply's first read: enough for tests to poke at keys without a client.
+    pub async fn command(&self, args: &[&str]) -> anyhow::Result<String> {
+        let mut req = format!("*{}\r\n", args.len());
+        for a in args {
+            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
+        let fut = async {
+            let mut s = tokio::net::TcpStream::connect(addr).await?;
+            s.write_all(req.as_bytes()).await?;
+            let mut buf = vec![0u8; 64 * 1024];
+            let n = s.read(&mut buf).await?;
+            buf.truncate(n);
+            anyhow::Ok(String::from_utf8_lossy(&buf).into_owned())
+        };
+        tokio::time::timeout(Duration::from_secs(2), fut)
+            .await
+            .context("no answer from redis-server")?
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
