@@ -128,12 +128,12 @@ pub enum Probe {
 /// cluster's); frees it when dropped, however the probe ends (answer, failure, or the
 /// client going away).
 #[derive(Debug)]
-pub struct ProbeGuard(Arc<BackendState>, Option<crate::store::ClusterProbe>);
+pub struct ProbeGuard(Arc<BackendState>, Option<Box<crate::store::ClusterProbe>>);
 
 impl ProbeGuard {
     /// Adds the cluster-wide slot to this instance's.
     pub fn attach(&mut self, cluster: crate::store::ClusterProbe) {
-        self.1 = Some(cluster);
+        self.1 = Some(Box::new(cluster));
     }
 
     /// The probe answered well: the backend is fully back (for every instance, when the
