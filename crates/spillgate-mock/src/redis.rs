@@ -90,6 +90,30 @@ impl RedisServer {
         }
     }
 
+    /// Stops the process (SIGSTOP) without closing its connections: a Redis that has
+    /// stopped answering. [`RedisServer::resume`] lets it go on.
+    pub fn pause(&self) -> anyhow::Result<()> {
+        self.signal("-STOP")
+    }
+
+    pub fn resume(&self) -> anyhow::Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, sig: &str) -> anyhow::Result<()> {
+        let pid = self
+            .child
+            .as_ref()
+            .map(Child::id)
+            .context("redis-server is not running")?;
+        let status = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .context("running kill")?;
+        anyhow::ensure!(status.success(), "kill {sig} {pid} failed");
+        Ok(())
+    }
+
     /// (Re)starts the server on the same port, empty, and waits until it answers.
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
@@ -149,6 +173,7 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        // A stopped process still dies of SIGKILL.
         self.kill();
     }
 }

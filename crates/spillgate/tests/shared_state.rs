@@ -74,9 +74,15 @@ fn config_with(
         "[server]\nlisten = \"127.0.0.1:0\"\n[auth]\nclient_keys = [\"env:CLIENT\"]\n[admin]\nenabled = false\n{extra}\n"
     );
     if let Some(url) = redis_url {
-        // A generous request-path timeout: the machine running the tests is shared.
+        // A generous request-path timeout (the machine running the tests is shared),
+        // unless the test sets its own.
+        let timeout = if extra.contains("# default timeout") {
+            String::new()
+        } else {
+            "timeout = \"200ms\"\n".to_string()
+        };
         text.push_str(&format!(
-            "[state]\nredis_url = \"{url}\"\ntimeout = \"200ms\"\npoll = \"200ms\"\n"
+            "[state]\nredis_url = \"{url}\"\n{timeout}poll = \"200ms\"\n"
         ));
     }
     for ((name, priority), m) in backends.iter().zip(mocks) {
@@ -670,4 +676,62 @@ async fn a_gateway_starts_without_redis_and_connects_when_it_appears() {
     let (status, h, _) = chat(&c, &b).await;
     assert_eq!((status, served_by(&h)), (StatusCode::OK, "y"));
     assert_eq!(x.hits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_stops_answering_delays_no_request() {
+    let redis = redis_or_skip!(RedisServer::start().await.unwrap());
+    let (x, y) = (mock("x").await, mock("y").await);
+    let backends = [("x", 1), ("y", 2)];
+    // The default request-path timeout (5 ms); a breaker so a probe is due after the stall
+    // starts: the one decision that asks Redis on the request path.
+    let extra = "# default timeout\n[circuit_breaker]\nfailures = 1\ntrip = \"1s\"\ncondition = [\"500-599\"]\n[cooldown]\ndefault_5xx = \"1s\"\n";
+    let a = gateway(config(&backends, &[&x, &y], Some(&redis.url()), extra)).await;
+    let b = gateway(config(&backends, &[&x, &y], Some(&redis.url()), extra)).await;
+    wait_connected(&[&a, &b]).await;
+    let c = client();
+    x.push_script(vec![Reply::status(500)]);
+    let (status, _, _) = chat(&c, &a).await;
+    assert_eq!(status, StatusCode::OK);
+    wait_for("B learns the trip", Duration::from_secs(2), || {
+        cooling(&b, 0).is_some()
+    })
+    .await;
+
+    // Redis stops answering (SIGSTOP: connections stay open, nothing comes back).
+    redis.pause().unwrap();
+    let t0 = Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut n = 0;
+    while t0.elapsed() < Duration::from_secs(3) {
+        for gw in [&a, &b] {
+            let s = Instant::now();
+            let (status, _, _) = chat(&c, gw).await;
+            worst = worst.max(s.elapsed());
+            assert_eq!(status, StatusCode::OK);
+            n += 1;
+        }
+    }
+    let local = a.app.store.status().local_decisions + b.app.store.status().local_decisions;
+    println!(
+        "stalled Redis: {n} requests, slowest {} ms, probe claims decided locally: {local}",
+        worst.as_millis()
+    );
+    assert!(
+        worst < Duration::from_millis(250),
+        "slowest request {worst:?}"
+    );
+    assert!(
+        local >= 1,
+        "the probe claim timed out and was decided locally"
+    );
+    // The link is taken for lost once a background read gets no answer.
+    wait_for("the stall is noticed", Duration::from_secs(3), || {
+        !connected(&a) && !connected(&b)
+    })
+    .await;
+
+    redis.resume().unwrap();
+    let took = wait_connected(&[&a, &b]).await;
+    println!("reconnected {} ms after Redis resumed", took.as_millis());
 }

@@ -358,6 +358,17 @@ struct Stats {
     errors: AtomicU64,
     local_decisions: AtomicU64,
     last_invalid_warn_ms: AtomicU64,
+    last_error_warn_ms: AtomicU64,
+}
+
+/// Whether a warning last given at `last` (unix ms) may be given again now; claims the
+/// slot when it may, so concurrent callers warn once.
+fn warn_slot(last: &AtomicU64, now: u64) -> bool {
+    let prev = last.load(Ordering::Relaxed);
+    now.saturating_sub(prev) >= INVALID_WARN_EVERY_MS
+        && last
+            .compare_exchange(prev, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
 }
 
 #[derive(Default)]
@@ -399,6 +410,12 @@ fn describe(e: &redis::RedisError) -> String {
 /// Whether an error means the connection is gone (rather than one command failing).
 fn is_link_error(e: &redis::RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal()
+}
+
+/// The wait before the next connection attempt: doubling, at most `RECONNECT_MAX`, so
+/// Redis is found again within about two seconds of coming back.
+fn next_delay(d: Duration) -> Duration {
+    (d * 2).clamp(RECONNECT_MIN, RECONNECT_MAX)
 }
 
 fn now_unix_ms() -> u64 {
@@ -456,15 +473,7 @@ impl RedisStore {
     /// minute (a corrupted key is read every poll).
     fn invalid(&self, key: &str, why: &str) {
         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
-        let now = now_unix_ms();
-        let last = self.stats.last_invalid_warn_ms.load(Ordering::Relaxed);
-        if now.saturating_sub(last) >= INVALID_WARN_EVERY_MS
-            && self
-                .stats
-                .last_invalid_warn_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if warn_slot(&self.stats.last_invalid_warn_ms, now_unix_ms()) {
             tracing::warn!(
                 key,
                 problem = why,
@@ -536,7 +545,7 @@ impl RedisStore {
                     self.set_link(None, Some(e));
                     let jitter = fastrand::u64(0..=millis(delay) / 4);
                     tokio::time::sleep(delay + Duration::from_millis(jitter)).await;
-                    delay = (delay * 2).min(RECONNECT_MAX);
+                    delay = next_delay(delay);
                     continue;
                 }
             };
@@ -652,7 +661,11 @@ impl RedisStore {
             Ok(Err(e)) => {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
                 let msg = format!("{what}: {}", describe(&e));
-                tracing::warn!(error = %msg, "a Redis operation failed");
+                if warn_slot(&self.stats.last_error_warn_ms, now_unix_ms()) {
+                    tracing::warn!(error = %msg, "a Redis operation failed (shown once a minute)");
+                } else {
+                    tracing::debug!(error = %msg, "a Redis operation failed");
+                }
                 self.set_link(None, Some(msg));
                 Ok(None)
             }
@@ -1245,6 +1258,22 @@ mod tests {
             ProbeOp::Recovered("tok".into())
         );
         assert!(q.take().is_empty());
+    }
+
+    #[test]
+    fn reconnection_backs_off_to_two_seconds_and_warnings_are_rate_limited() {
+        let mut d = RECONNECT_MIN;
+        let mut seq = vec![d];
+        for _ in 0..8 {
+            d = next_delay(d);
+            seq.push(d);
+        }
+        let ms: Vec<u64> = seq.iter().map(|d| millis(*d)).collect();
+        assert_eq!(ms, [100, 200, 400, 800, 1600, 2000, 2000, 2000, 2000]);
+        let last = AtomicU64::new(0);
+        assert!(warn_slot(&last, 1_000_000));
+        assert!(!warn_slot(&last, 1_000_000 + INVALID_WARN_EVERY_MS - 1));
+        assert!(warn_slot(&last, 1_000_000 + INVALID_WARN_EVERY_MS));
     }
 
     #[test]
