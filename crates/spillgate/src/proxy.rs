@@ -557,14 +557,15 @@ const CLUSTER_PROBE_TTL: Duration = Duration::from_secs(30);
 async fn claim_cluster_probes(
     ctx: &Ctx<'_>,
     backend: &BackendRt,
-    dep_name: &str,
+    model: &str,
     probes: &mut Probes,
     now: u64,
 ) -> bool {
     let store = &ctx.app.store;
-    if !store.shared() {
+    if !store.shared() || (probes.resource.is_none() && probes.deployment.is_none()) {
         return true;
     }
+    let dep_name = backend.cfg.deployment_for(model).unwrap_or(model);
     let ttl = ctx.snap.config.timeouts.first_byte.min(CLUSTER_PROBE_TTL);
     for (slot, deployment) in [
         (&mut probes.resource, None),
@@ -670,8 +671,7 @@ async fn select_backend<'s>(
                     busy.push(id);
                     continue;
                 };
-                let dep_name = backends[id].cfg.deployment_for(c.model).unwrap_or(c.model);
-                if !claim_cluster_probes(ctx, &backends[id], dep_name, &mut probes, now).await {
+                if !claim_cluster_probes(ctx, &backends[id], c.model, &mut probes, now).await {
                     busy.push(id);
                     continue;
                 }
@@ -1150,9 +1150,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         .map(|p| p.capacity)
                         .unwrap_or_default();
                     deployment.observe_capacity(&h, &policy, now);
-                    if let Some(dep) = backend.cfg.deployment_for(model) {
+                    if app.store.shared() {
                         app.store
-                            .capacity_observed(&backend.cfg.name, dep, &deployment);
+                            .capacity_observed(&backend.cfg.name, dep_name, &deployment);
                     }
                     if let Some(r) = reservation.take() {
                         r.settle(None, now);
