@@ -567,27 +567,39 @@ async fn claim_cluster_probes(
     }
     let dep_name = backend.cfg.deployment_for(model).unwrap_or(model);
     let ttl = ctx.snap.config.timeouts.first_byte.min(CLUSTER_PROBE_TTL);
-    for (slot, deployment) in [
-        (&mut probes.resource, None),
-        (&mut probes.deployment, Some(dep_name)),
-    ] {
-        let Some(guard) = slot.as_mut() else { continue };
-        match store.claim_probe(&backend.cfg.name, deployment, ttl).await {
-            ProbeClaim::Granted(cluster) => guard.attach(cluster),
-            ProbeClaim::Local => {}
-            ProbeClaim::Recovered => {
-                // Another instance's probe found it well: not a probe any more.
-                guard.state().remote_recovered(now);
-                *slot = None;
+    let mut wanted = Vec::with_capacity(2);
+    if probes.resource.is_some() {
+        wanted.push(None);
+    }
+    if probes.deployment.is_some() {
+        wanted.push(Some(dep_name));
+    }
+    match store.claim_probes(&backend.cfg.name, &wanted, ttl).await {
+        ProbeClaim::Local => true,
+        ProbeClaim::Busy => {
+            let until = now + millis(crate::store::REMOTE_PROBE_BUSY);
+            for g in probes.resource.iter().chain(probes.deployment.iter()) {
+                g.state().remote_probe_busy(until);
             }
-            ProbeClaim::Busy => {
-                let until = now + millis(crate::store::REMOTE_PROBE_BUSY);
-                guard.state().remote_probe_busy(until);
-                return false;
+            false
+        }
+        ProbeClaim::Claimed(claims) => {
+            let slots = [&mut probes.resource, &mut probes.deployment];
+            let held = slots.into_iter().filter(|s| s.is_some());
+            for (slot, claim) in held.zip(claims) {
+                match (slot.as_mut(), claim) {
+                    (Some(guard), Some(cluster)) => guard.attach(cluster),
+                    (Some(guard), None) => {
+                        // Another instance's probe found it well: not a probe any more.
+                        guard.state().remote_recovered(now);
+                        *slot = None;
+                    }
+                    (None, _) => {}
+                }
             }
+            true
         }
     }
-    true
 }
 
 fn usable(backend: &BackendRt, model: &str, now: u64) -> bool {

@@ -31,15 +31,14 @@ pub use self::redis::{ping as ping_redis, ClusterProbe, RedisStore};
 /// leaves it alone before asking again.
 pub const REMOTE_PROBE_BUSY: Duration = Duration::from_millis(100);
 
-/// What a cluster-wide probe claim decided.
+/// What a cluster-wide probe claim decided, for all the slots asked at once.
 #[derive(Debug)]
 pub enum ProbeClaim {
-    /// This request is the cluster's probe; the slot is released when the guard drops.
-    Granted(ClusterProbe),
-    /// Another instance is probing the backend.
+    /// Per slot asked, in order: this request's (released when dropped), or already
+    /// recovered by another instance's probe (`None`: no probe needed there).
+    Claimed(Vec<Option<ClusterProbe>>),
+    /// Another instance is probing (one of) them: nothing was taken.
     Busy,
-    /// Another instance's probe already found the backend well: no probe needed.
-    Recovered,
     /// No shared answer (no shared store, or it is unreachable or slow): the instance
     /// decides alone.
     Local,
@@ -119,11 +118,12 @@ pub trait StateStore: Send + Sync {
     /// This instance took in a deployment's rate-limit headers.
     fn capacity_observed(&self, _backend: &str, _deployment: &str, _state: &BackendState) {}
 
-    /// Asks for the cluster's probe slot of a recovering backend, for at most `ttl`.
-    async fn claim_probe(
+    /// Asks, in one step, for the cluster's probe slots of a recovering backend (`None`)
+    /// and/or deployments, each for at most `ttl`: all of them or none.
+    async fn claim_probes(
         &self,
         _backend: &str,
-        _deployment: Option<&str>,
+        _targets: &[Option<&str>],
         _ttl: Duration,
     ) -> ProbeClaim {
         ProbeClaim::Local

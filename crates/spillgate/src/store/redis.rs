@@ -118,21 +118,32 @@ redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
 ";
 
-/// Claims a probe slot: 1 granted, 0 held by another, 2 another's probe succeeded. A
-/// value that is not ours to respect (wrong type, no expiry, an expiry longer than any
-/// we set) is replaced.
+/// Claims the probe slots of KEYS (a backend and/or its deployment), all or none: 0 when
+/// another instance holds one, else per key 1 (now ours) or 2 (another instance's probe
+/// succeeded: no probe needed). A value that is not ours to respect (wrong type, no
+/// expiry, an expiry longer than any we set) is replaced.
 const CLAIM_SCRIPT: &str = r"
-local cur = redis.pcall('GET', KEYS[1])
-if type(cur) == 'string' then
-  local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 and ttl <= tonumber(ARGV[3]) then
-    if cur == 'recovered' then return 2 end
-    if cur == ARGV[1] then return 1 end
-    return 0
+local codes = {}
+for i, k in ipairs(KEYS) do
+  codes[i] = 1
+  local cur = redis.pcall('GET', k)
+  if type(cur) == 'string' then
+    local ttl = redis.call('PTTL', k)
+    if ttl > 0 and ttl <= tonumber(ARGV[3]) then
+      if cur == 'recovered' then
+        codes[i] = 2
+      elseif cur ~= ARGV[1] then
+        return 0
+      end
+    end
   end
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
+for i, k in ipairs(KEYS) do
+  if codes[i] == 1 then
+    redis.call('SET', k, ARGV[1], 'PX', ARGV[2])
+  end
+end
+return codes
 ";
 
 /// Gives a probe slot back, if it is still ours.
@@ -1137,20 +1148,23 @@ impl StateStore for RedisStore {
         }
     }
 
-    async fn claim_probe(
+    async fn claim_probes(
         &self,
         backend: &str,
-        deployment: Option<&str>,
+        wanted: &[Option<&str>],
         ttl: Duration,
     ) -> ProbeClaim {
         let Some(conn) = self.conn.load_full() else {
             return ProbeClaim::Local;
         };
         let mut conn = (*conn).clone();
-        let target = Target {
-            backend: backend.to_string(),
-            deployment: deployment.map(str::to_string),
-        };
+        let targets: Vec<Target> = wanted
+            .iter()
+            .map(|d| Target {
+                backend: backend.to_string(),
+                deployment: d.map(str::to_string),
+            })
+            .collect();
         let token = format!(
             "{}-{}",
             self.instance,
@@ -1158,29 +1172,47 @@ impl StateStore for RedisStore {
         );
         let ttl_ms = millis(ttl).clamp(1_000, PROBE_KEY_MAX_MS);
         let mut claim = self.scripts.claim.prepare_invoke();
-        claim
-            .key(self.key("probe", &target))
-            .arg(&token)
-            .arg(ttl_ms)
-            .arg(PROBE_KEY_MAX_MS);
-        match tokio::time::timeout(self.cfg.timeout, claim.invoke_async::<i64>(&mut conn)).await {
-            Ok(Ok(1)) => ProbeClaim::Granted(ClusterProbe {
-                queue: Arc::clone(&self.queue),
-                target,
-                token,
-                recovered: false,
-            }),
-            Ok(Ok(2)) => ProbeClaim::Recovered,
-            Ok(Ok(_)) => ProbeClaim::Busy,
+        for t in &targets {
+            claim.key(self.key("probe", t));
+        }
+        claim.arg(&token).arg(ttl_ms).arg(PROBE_KEY_MAX_MS);
+        let answer = tokio::time::timeout(
+            self.cfg.timeout,
+            claim.invoke_async::<redis::Value>(&mut conn),
+        )
+        .await;
+        let codes: Option<Vec<i64>> = match answer {
+            Ok(Ok(redis::Value::Int(0))) => return ProbeClaim::Busy,
+            Ok(Ok(v)) => redis::from_redis_value(v).ok(),
             Ok(Err(e)) => {
-                self.stats.local_decisions.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(error = %describe(&e), "probe claim failed; deciding locally");
-                ProbeClaim::Local
+                None
             }
             Err(_) => {
-                // The claim may still land: give it back, so it does not hold the slot.
+                // The claim may still land: give the slots back, so they are not held.
+                for t in &targets {
+                    self.queue.probe(t.clone(), ProbeOp::Release(token.clone()));
+                }
+                None
+            }
+        };
+        match codes {
+            Some(codes) if codes.len() == targets.len() => ProbeClaim::Claimed(
+                targets
+                    .into_iter()
+                    .zip(codes)
+                    .map(|(target, code)| {
+                        (code == 1).then(|| ClusterProbe {
+                            queue: Arc::clone(&self.queue),
+                            target,
+                            token: token.clone(),
+                            recovered: false,
+                        })
+                    })
+                    .collect(),
+            ),
+            _ => {
                 self.stats.local_decisions.fetch_add(1, Ordering::Relaxed);
-                self.queue.probe(target, ProbeOp::Release(token));
                 ProbeClaim::Local
             }
         }
