@@ -141,6 +141,9 @@ cargo test --workspace 2>&1 | tee "$LOGDIR/cargo-test.log"
 step "benchmark smoke runs"
 # Each benchmark runs a few seconds under `cargo test --bench` so it cannot rot.
 cargo test --workspace --bench '*'
+# The overhead benchmark (wrk, nginx and the gateway on loopback), one short case of each
+# part, on the debug build: it fails on any error, not on any number.
+SMOKE=1 bench/overhead.sh
 
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 [[ $TARGET_DIR = /* ]] || TARGET_DIR=$ROOT/$TARGET_DIR

@@ -4,12 +4,15 @@
 #
 #   bench/overhead.sh            # full run (10 s per measurement)
 #   DURATION=3 bench/overhead.sh # shorter
-#   SMOKE=1 bench/overhead.sh    # a few seconds, one case (what test.sh could run)
+#   SMOKE=1 bench/overhead.sh    # a few seconds, one case of each part, debug build
+#                                # (what ./test.sh runs, so the script cannot rot)
 #
-# Installs wrk and nginx with apt-get when missing. Prints a markdown table: requests/s,
-# p50 / p99 / p99.9 latency, p99 added over direct, throughput relative to nginx and to
-# direct, and for each proxy its CPU time per request (user+sys of its process over the
-# run) and peak RSS.
+# Installs wrk and nginx with apt-get when missing. Prints markdown tables:
+# - requests/s, p50 / p99 / p99.9 latency, p99 added over direct, throughput relative
+#   to nginx and to direct, and for each proxy its CPU time per request (user+sys of its
+#   process over the run) and peak RSS;
+# - time to the first event of a stream, one stream at a time, against each target;
+# - 5,000 SSE streams open at once through spillgate: how many completed, peak RSS.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -19,19 +22,32 @@ if [[ -n ${SMOKE:-} ]]; then
     DURATION=2
 fi
 
+APT_UPDATED=0
 need() {
-    if ! command -v "$1" >/dev/null 2>&1; then
+    if ! command -v "$1" >/dev/null 2>&1 && ! [[ -x /usr/sbin/$1 ]]; then
         echo "installing $2" >&2
-        sudo=()
+        local sudo=()
         [[ $(id -u) -ne 0 ]] && sudo=(sudo -n)
+        if [[ $APT_UPDATED -eq 0 ]]; then
+            "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq </dev/null >/dev/null
+            APT_UPDATED=1
+        fi
         "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" </dev/null >/dev/null
     fi
 }
 need wrk wrk
 need nginx nginx-light
+export PATH=$PATH:/usr/sbin
 
-cargo build -q --release -p spillgate -p spillgate-mock
-BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
+if [[ -n ${SMOKE:-} ]]; then
+    # Numbers from a smoke run mean nothing; the debug build ./test.sh already has will do.
+    cargo build -q -p spillgate -p spillgate-mock
+    BIN=${CARGO_TARGET_DIR:-$ROOT/target}/debug
+else
+    cargo build -q --release -p spillgate -p spillgate-mock
+    BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
+fi
+FAILED=0
 
 WORK=$(mktemp -d)
 PIDS=()
@@ -46,10 +62,11 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 
 # The start_* functions run in this shell (not in $(...)) so that PIDS keeps every
 # process for cleanup; each sets PORT to where it listens.
-start_mock() { # latency_ms
+start_mock() { # latency_ms [stream_chunks [chunk_interval_ms]]
     local port; port=$(free_port)
     "$BIN/spillgate-mock" --listen "127.0.0.1:$port" --name bench --latency-ms "$1" \
-        --stream-chunks 100 --no-record-requests >/dev/null 2>"$WORK/mock-$1.log" &
+        --stream-chunks "${2:-100}" --chunk-interval-ms "${3:-0}" --no-record-requests \
+        >/dev/null 2>"$WORK/mock-$port.log" &
     PIDS+=($!)
     PORT=$port
 }
@@ -140,8 +157,13 @@ measure() {
     awk -v r="$req" -v d="$dur" -v a="$p50" -v b="$p99" -v c="$p999" -v e="$err" 'BEGIN {printf "%.0f %.3f %.3f %.3f %d %d\n", r/(d/1e6), a, b, c, e, r}'
 }
 
-echo "| backend latency | body | conns | target | req/s | p50 ms | p99 ms | p99.9 ms | p99 added ms | vs nginx | vs direct | proxy CPU µs/req | proxy peak RSS MB | errors |"
-echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+# In a smoke run, any error fails the script.
+check_errors() { # errors what
+    if [[ -n ${SMOKE:-} && $1 != 0 ]]; then echo "smoke: $2 had $1 errors" >&2; FAILED=1; fi
+}
+
+echo "| backend latency | body | conns | target | req/s | p50 ms | p99 ms | p99.9 ms | p99 added ms | vs nginx | vs direct | proxy CPU µs/req | proxy CPU s/10k req | proxy peak RSS MB | errors |"
+echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 
 LATENCIES=(0 50)
 BODIES=(json sse)
@@ -179,9 +201,14 @@ for lat in "${LATENCIES[@]}"; do
                 added=$(awk -v a="$p99" -v b="$dp99" 'BEGIN{printf "%.3f", a-b}')
                 vsn=$(awk -v a="$rps" -v b="$nrps" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }')
                 vsd=$(awk -v a="$rps" -v b="$drps" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }')
-                cpu="-"; rss="-"
-                if [[ $target != direct ]]; then cpu=${R[$target.cpu]}; rss=$(printf "%.1f" "${R[$target.rss]}"); fi
-                echo "| ${lat} ms | $body | $c | $target | $rps | $p50 | $p99 | $p999 | $added | $vsn | $vsd | $cpu | $rss | $err |"
+                cpu="-"; cpu10k="-"; rss="-"
+                if [[ $target != direct ]]; then
+                    cpu=${R[$target.cpu]}; rss=$(printf "%.1f" "${R[$target.rss]}")
+                    cpu10k=$(awk -v c="$cpu" 'BEGIN{ if (c != "-") printf "%.3f", c/100; else print "-" }')
+                fi
+                check_errors "$err" "$target ${lat}ms $body c$c"
+                if [[ -n ${SMOKE:-} && ${rps:-0} -le 0 ]]; then echo "smoke: $target served nothing" >&2; FAILED=1; fi
+                echo "| ${lat} ms | $body | $c | $target | $rps | $p50 | $p99 | $p999 | $added | $vsn | $vsd | $cpu | $cpu10k | $rss | $err |"
             done
             unset R
         done
@@ -201,8 +228,57 @@ for lat in "${LATENCIES[@]}"; do
         for target in direct nginx spillgate; do
             read -r rps p50 p99 p999 err _ <<<"${F[$target]}"
             added=$(awk -v a="$p99" -v b="$dp99" 'BEGIN{printf "%.3f", a-b}')
-            echo "| 0 ms | json | 1 (pinned) | $target | $rps | $p50 | $p99 | $p999 | $added | | | | | $err |"
+            check_errors "$err" "$target pinned"
+            echo "| 0 ms | json | 1 (pinned) | $target | $rps | $p50 | $p99 | $p999 | $added | | | | | | $err |"
         done
         unset F
     fi
 done
+
+# ---------------------------------------------------------------------------
+# Streams: time to the first event, and many streams open at once.
+# ---------------------------------------------------------------------------
+TTFB_N=200; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
+if [[ -n ${SMOKE:-} ]]; then TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
+
+# One stream at a time, chunks 10 ms apart: what a proxy adds before the first event
+# (the gateway forwards a chunk once two scheduler turns bring no other).
+start_mock 0 10 10; mport=$PORT; wait_port "$mport"
+start_nginx "$mport"; nport=$PORT; wait_port "$nport"
+start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
+echo
+echo "| stream, chunks 10 ms apart, one at a time | streams | complete | first event p50 ms | p99 ms | p50 added ms | p99 added ms |"
+echo "|---|---:|---:|---:|---:|---:|---:|"
+declare -A T=()
+for target in direct nginx spillgate; do
+    case $target in
+        direct) port=$mport ;; nginx) port=$nport ;; spillgate) port=$sport ;;
+    esac
+    T[$target]=$(python3 bench/streams.py ttfb "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N")
+done
+dp50=$(echo "${T[direct]}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p50_ms"])')
+dp99=$(echo "${T[direct]}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p99_ms"])')
+for target in direct nginx spillgate; do
+    read -r n complete p50 p99 <<<"$(echo "${T[$target]}" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["n"], r["complete"], r["p50_ms"], r["p99_ms"])')"
+    check_errors "$((n - complete))" "$target first-event streams"
+    echo "| $target | $n | $complete | $p50 | $p99 | $(awk -v a="$p50" -v b="$dp50" 'BEGIN{printf "%.3f", a-b}') | $(awk -v a="$p99" -v b="$dp99" 'BEGIN{printf "%.3f", a-b}') |"
+done
+
+# Many streams open at once through a fresh gateway (so its peak RSS is theirs).
+start_mock 0 "$SCHUNKS" "$SINTERVAL"; mport=$PORT; wait_port "$mport"
+start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
+spid=$(pid_on "$sport")
+before=$(cpu_secs "$spid")
+res=$(python3 bench/streams.py concurrent "http://127.0.0.1:$sport/v1/chat/completions" "$STREAMS")
+after=$(cpu_secs "$spid")
+read -r streams peak complete incomplete cerr secs <<<"$(echo "$res" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["streams"], r["peak_open"], r["complete"], r["incomplete"], r["connect_errors"], r["seconds"])')"
+echo
+echo "| SSE streams at once through spillgate ($SCHUNKS chunks, $SINTERVAL ms apart) | most open at once | complete | incomplete or refused | seconds | spillgate peak RSS MB | spillgate CPU s |"
+echo "|---:|---:|---:|---:|---:|---:|---:|"
+echo "| $streams | $peak | $complete | $((incomplete + cerr)) | $secs | $(printf "%.1f" "$(rss_mb "$spid")") | $(awk -v a="$before" -v b="$after" 'BEGIN{printf "%.2f", b-a}') |"
+check_errors "$((streams - complete))" "concurrent streams"
+
+if [[ $FAILED -ne 0 ]]; then
+    echo "overhead.sh: smoke run failed" >&2
+    exit 1
+fi

@@ -7,7 +7,7 @@
 //! lock, and a reload can swap it while in-flight requests finish on the old one.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -342,11 +342,19 @@ pub struct App {
     /// Where observations go besides the local view: this instance only, or Redis
     /// (`[state]`, read at start).
     pub store: Arc<dyn StateStore>,
+    /// Backends cooled because they refused a token that a renewal would not improve,
+    /// by name: their state and until when (unix ms). A token obtained ends a cooldown
+    /// for the lack of one, never one of these before its time.
+    refused_token: Mutex<HashMap<Arc<str>, RefusedUntil>>,
 }
+
+/// A backend's state and the end of its cooldown for a refused token (unix ms).
+type RefusedUntil = (Weak<BackendState>, u64);
 
 /// A token source that cannot get a token cools its backends for a little longer than
 /// until its next try, so the cooldown does not end (and start again) around each retry;
-/// a token obtained ends the cooldown at once.
+/// a token obtained ends the cooldown at once (but not one for a refused token: see
+/// [`App::cool_for_refused_token`]).
 pub(crate) const AUTH_COOLDOWN_GRACE: Duration = Duration::from_secs(10);
 
 impl App {
@@ -373,6 +381,7 @@ impl App {
             health_tasks: Mutex::new(HashMap::new()),
             credentials,
             store,
+            refused_token: Mutex::new(HashMap::new()),
         });
         app.start_credentials();
         app.start_store();
@@ -421,6 +430,50 @@ impl App {
         cooled.started
     }
 
+    /// Cools `backend` for `d` because it refused a token that a renewal would not
+    /// improve (a token newly obtained, or one less than a minute old): most likely its
+    /// identity lacks the role on that resource. Reason "auth", like a cooldown for the
+    /// lack of a token, but a token obtained meanwhile does not end it. Says whether this
+    /// started a cooldown (counted in the metrics).
+    pub fn cool_for_refused_token(&self, backend: &BackendRt, d: Duration) -> bool {
+        let now = self.clock.now_ms();
+        let until_ms = now.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let cooled = {
+            // Held while cooling, so `obtained` sees the cooldown and its record together.
+            let mut refused = self
+                .refused_token
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            refused.retain(|_, (state, until)| *until > now && state.strong_count() > 0);
+            let cooled = backend.state.cool_at(
+                Cooldown {
+                    until_ms,
+                    reason: CoolReason::Auth,
+                },
+                now,
+            );
+            let state = Arc::downgrade(&backend.state);
+            let entry = refused
+                .entry(Arc::clone(&backend.cfg.name))
+                .or_insert_with(|| (state.clone(), 0));
+            if !entry.0.ptr_eq(&state) {
+                *entry = (state, 0);
+            }
+            entry.1 = entry.1.max(until_ms);
+            cooled
+        };
+        if cooled.started {
+            self.metrics
+                .cooldowns
+                .get_or_create(&vec![
+                    ("backend", (&backend.cfg.name).into()),
+                    ("reason", "auth".into()),
+                ])
+                .inc();
+        }
+        cooled.started
+    }
+
     pub fn draining(&self) -> bool {
         self.draining.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -450,12 +503,24 @@ impl CredentialEvents for AppEvents {
             .collect()
     }
 
+    /// Ends the cooldowns set for the lack of a token. A backend that refused a token a
+    /// renewal would not improve stays out for its whole cooldown: a new token changes
+    /// nothing about its identity's roles.
     fn obtained(&self, source: &TokenSource) {
         let Some(app) = self.0.upgrade() else { return };
         let now = app.clock.now_ms();
         let snap = app.snapshot.load();
+        let refused = app
+            .refused_token
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         for b in snap.backends.iter().filter(|b| b.uses(source)) {
-            b.state.end_cooldown(CoolReason::Auth, now);
+            let refusing = refused.get(&b.cfg.name).is_some_and(|(state, until)| {
+                *until > now && std::ptr::eq(state.as_ptr(), Arc::as_ptr(&b.state))
+            });
+            if !refusing {
+                b.state.end_cooldown(CoolReason::Auth, now);
+            }
         }
     }
 }

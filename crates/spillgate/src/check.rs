@@ -1,8 +1,11 @@
 //! `spillgate check`: validate a config and show the routing it resolves to, so an
 //! operator sees which backend serves which model, in which tier and with what share,
 //! under which retry policy and with which credential, before traffic does. With
-//! `--probe`, each Entra ID credential is asked for a token, so a missing role or an
-//! unreachable identity endpoint shows up before the gateway starts.
+//! `--probe`, each Entra ID credential is asked for a token, so an unreachable identity
+//! endpoint or a credential Entra ID refuses (a wrong secret, an unknown client, a missing
+//! federated credential) shows up before the gateway starts. A missing role does not:
+//! Entra ID issues tokens whatever roles the identity has, and only the backend refuses
+//! them (401).
 
 use std::fmt::Write;
 use std::sync::Arc;

@@ -9,6 +9,12 @@
 //! is none (at start, or after it expired) do they wait, all on the same single fetch.
 //! Backends with the same credential and scope share one source, so one token.
 //!
+//! A backend that refuses a token (401) never takes it away from the other backends: the
+//! token stays current, and only the refused request waits for a newer one. Each token
+//! is renewed at most once for refusals, and not at all when it is less than a minute
+//! old (a token that new is as good as any the identity service would issue: the backend
+//! refuses the identity, not the token).
+//!
 //! The flows themselves (the managed identity endpoints, the client-credentials and
 //! federated-assertion grants, running `az`) are the official `azure_identity` crate's.
 //! Two things it does not do the way a gateway needs, handled here:
@@ -27,6 +33,8 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
@@ -35,6 +43,7 @@ use azure_core::credentials::TokenCredential;
 use azure_core::http::{AsyncRawResponse, ClientOptions, HttpClient, RetryOptions, Transport};
 use azure_identity::Executor;
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::HeaderValue;
 use http_body_util::{BodyExt, Full, Limited};
 use spillgate_core::config::{EntraAuth, EntraCredential, ManagedIdentityId, Secret};
@@ -55,6 +64,11 @@ const FETCH_TIMEOUT: Duration = Duration::from_secs(90);
 const IDENTITY_REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
 /// Largest identity response read.
 const IDENTITY_BODY_LIMIT: usize = 256 * 1024;
+/// A backend that refuses a token younger than this does not get a newer one: the
+/// refusal is not about the token's freshness (most likely the identity lacks its role on
+/// that resource), and renewing on every such refusal would only load the identity
+/// service. The backend is cooled instead.
+pub const MIN_RENEWAL_AGE: Duration = Duration::from_secs(60);
 /// Longest an error message from an identity service is kept (logs, `/admin/state`).
 const MESSAGE_LIMIT: usize = 600;
 
@@ -64,6 +78,10 @@ const MESSAGE_LIMIT: usize = 600;
 pub struct BearerToken {
     header: HeaderValue,
     expires_at: Instant,
+    obtained_at: Instant,
+    /// 1 for the first token of its source, +1 for each one after: a refusal names the
+    /// token it was about by this number.
+    generation: u64,
 }
 
 impl BearerToken {
@@ -72,7 +90,12 @@ impl BearerToken {
     fn new(token: &Secret, expires_at: Instant) -> Option<BearerToken> {
         let mut header = HeaderValue::from_str(&format!("Bearer {}", token.expose())).ok()?;
         header.set_sensitive(true);
-        Some(BearerToken { header, expires_at })
+        Some(BearerToken {
+            header,
+            expires_at,
+            obtained_at: Instant::now(),
+            generation: 0,
+        })
     }
 
     /// The `Authorization` header value.
@@ -82,6 +105,11 @@ impl BearerToken {
 
     pub fn expires_at(&self) -> Instant {
         self.expires_at
+    }
+
+    /// When the identity service issued it.
+    pub fn obtained_at(&self) -> Instant {
+        self.obtained_at
     }
 
     fn usable_at(&self, now: Instant) -> bool {
@@ -140,6 +168,21 @@ pub enum TokenError {
     Timeout(Duration),
 }
 
+/// What to do after a backend refused a token (401): see [`TokenSource::refused`].
+#[derive(Debug)]
+pub enum Refusal {
+    /// A newer token is in hand already: retry with it.
+    Replaced(Arc<BearerToken>),
+    /// A newer token is being fetched: [`TokenSource::renewed`] waits for it.
+    Renewing,
+    /// The refused token is younger than [`MIN_RENEWAL_AGE`]: a new one would be no
+    /// different. The backend refuses the identity; cool it.
+    TooRecent { age: Duration },
+    /// A renewal for this token was tried already and failed; the next fetch is not due
+    /// yet. The message is the last error.
+    Unavailable(Arc<str>),
+}
+
 /// What the gateway wants to hear from a token source: when its backends lose and regain
 /// a token. Kept behind a trait so the source does not know about the gateway's state.
 pub trait CredentialEvents: Send + Sync {
@@ -171,17 +214,32 @@ struct Failure {
     failures: u32,
 }
 
+/// A renewal asked for because a backend refused the token of `generation`, when
+/// `fetches` fetches had finished: the next fetch to finish is its answer.
+#[derive(Clone, Copy)]
+struct Forced {
+    generation: u64,
+    fetches: u64,
+}
+
 struct Inner {
     /// When the refresher fetches next (`None`: at once).
     next_fetch_at: Option<Instant>,
     failure: Option<Failure>,
+    /// The generation of the last token obtained (0: none yet).
+    generation: u64,
+    /// The last renewal a refusal asked for.
+    forced: Option<Forced>,
+    /// This run of failures has left the backends without a token (and said so).
+    unavailable: bool,
 }
 
 /// The cache of one credential's token, kept fresh by one background task.
 ///
 /// Invariants: only the refresher task fetches, so at most one fetch per credential is in
 /// flight; `current` is written only with `inner` locked, so a request that finds no
-/// token under the lock is sure to be woken by the fetch that brings one.
+/// token under the lock is sure to be woken by the fetch that brings one; `current` is
+/// only ever replaced by a newer token, never cleared.
 pub struct TokenSource {
     auth: EntraAuth,
     label: Arc<str>,
@@ -195,6 +253,9 @@ pub struct TokenSource {
     fetched: watch::Sender<u64>,
     events: OnceLock<Arc<dyn CredentialEvents>>,
     task: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Whether the refresher task runs; it clears this when it ends for any reason (a
+    /// panic included), so the next request starts a new one.
+    alive: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for TokenSource {
@@ -248,11 +309,15 @@ impl TokenSource {
             inner: Mutex::new(Inner {
                 next_fetch_at: None,
                 failure: None,
+                generation: 0,
+                forced: None,
+                unavailable: false,
             }),
             wake: Arc::new(Notify::new()),
             fetched: watch::Sender::new(0),
             events: OnceLock::new(),
             task: Mutex::new(None),
+            alive: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -311,16 +376,27 @@ impl TokenSource {
     }
 
     /// Starts the background task that fetches the first token and keeps it fresh, if it
-    /// is not running yet (and a tokio runtime is at hand).
+    /// is not running (and a tokio runtime is at hand). A task that ended (it panicked,
+    /// or was aborted) is replaced.
     pub fn start(self: &Arc<Self>) {
         let mut task = lock(&self.task);
-        if task.is_some() {
+        if task.as_ref().is_some_and(|t| !t.is_finished()) {
+            // A task that ended before this one started may have cleared the flag late.
+            self.alive.store(true, Ordering::Release);
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let handle = rt.spawn(refresher(Arc::downgrade(self), Arc::clone(&self.wake)));
+        if task.is_some() {
+            tracing::error!(credential = %self.label, "the Entra ID token refresher had stopped; restarting it");
+        }
+        self.alive.store(true, Ordering::Release);
+        let handle = rt.spawn(refresher(
+            Arc::downgrade(self),
+            Arc::clone(&self.wake),
+            Arc::clone(&self.alive),
+        ));
         *task = Some(handle.abort_handle());
     }
 
@@ -332,50 +408,120 @@ impl TokenSource {
         max_wait: Duration,
     ) -> Result<Arc<BearerToken>, TokenError> {
         if let Some(t) = self.current() {
+            if !self.alive.load(Ordering::Acquire) {
+                self.start();
+            }
             return Ok(t);
         }
         self.start();
-        self.wait_for_fetch(max_wait, None).await
+        self.wait_for_fetch(max_wait).await
     }
 
-    /// After a backend refused `rejected` (401): a new token, fetched once however many
-    /// requests were refused with the same token. A request whose token was already
-    /// replaced gets the replacement at once.
-    pub async fn renew_rejected(
-        self: &Arc<Self>,
-        rejected: &Arc<BearerToken>,
-        max_wait: Duration,
-    ) -> Result<Arc<BearerToken>, TokenError> {
+    /// A backend refused `rejected` (401). The token stays current for every other
+    /// backend; this says what the refused request may do:
+    ///
+    /// * a newer token is in hand: [`Refusal::Replaced`], retry with it;
+    /// * `rejected` is younger than [`MIN_RENEWAL_AGE`]: [`Refusal::TooRecent`], nothing
+    ///   is fetched;
+    /// * a renewal for `rejected` was tried and failed: [`Refusal::Unavailable`], nothing
+    ///   is fetched before the next try the failure scheduled;
+    /// * otherwise a renewal is started, or joined when one is on the way:
+    ///   [`Refusal::Renewing`], and [`TokenSource::renewed`] waits for it. However many
+    ///   requests are refused with the same token, it is renewed once.
+    pub fn refused(self: &Arc<Self>, rejected: &BearerToken) -> Refusal {
         self.start();
-        self.wait_for_fetch(max_wait, Some(rejected)).await
+        let age = {
+            let mut inner = lock(&self.inner);
+            if let Some(t) = self
+                .current()
+                .filter(|t| t.generation > rejected.generation)
+            {
+                return Refusal::Replaced(t);
+            }
+            let now = Instant::now();
+            let age = now.saturating_duration_since(rejected.obtained_at);
+            if age < MIN_RENEWAL_AGE {
+                return Refusal::TooRecent { age };
+            }
+            let fetches = *self.fetched.borrow();
+            match inner.forced {
+                Some(f) if f.generation >= rejected.generation && fetches > f.fetches => {
+                    return Refusal::Unavailable(self.last_error(&inner));
+                }
+                Some(f) if f.generation >= rejected.generation => return Refusal::Renewing,
+                _ => {}
+            }
+            inner.forced = Some(Forced {
+                generation: rejected.generation,
+                fetches,
+            });
+            // Due now, whatever backoff a failing renewal set: a refused token is worth
+            // one early try. A fetch in flight is the answer, with no second one.
+            inner.next_fetch_at = Some(now);
+            age
+        };
+        tracing::info!(
+            credential = %self.label,
+            token_age_s = age.as_secs(),
+            "a backend refused the Entra ID token (401); fetching a new one"
+        );
+        self.wake.notify_one();
+        Refusal::Renewing
     }
 
-    async fn wait_for_fetch(
+    /// After [`TokenSource::refused`] said [`Refusal::Renewing`] or
+    /// [`Refusal::Replaced`]: a token newer than `rejected`, waiting (up to `max_wait`)
+    /// for the renewal under way. Fails when that renewal fails.
+    pub async fn renewed(
         &self,
+        rejected: &BearerToken,
         max_wait: Duration,
-        rejected: Option<&Arc<BearerToken>>,
     ) -> Result<Arc<BearerToken>, TokenError> {
+        let newer = || {
+            self.current()
+                .filter(|t| t.generation > rejected.generation)
+        };
+        // Subscribed before looking, so a fetch that ends after the look is seen.
+        let mut rx = self.fetched.subscribe();
+        let target = {
+            let inner = lock(&self.inner);
+            if let Some(t) = newer() {
+                return Ok(t);
+            }
+            let done = *rx.borrow_and_update();
+            match inner.forced {
+                Some(f) if f.generation >= rejected.generation && done <= f.fetches => f.fetches,
+                _ => return Err(TokenError::Unavailable(self.last_error(&inner))),
+            }
+        };
+        match tokio::time::timeout(max_wait, rx.wait_for(|n| *n > target)).await {
+            Err(_) => return Err(TokenError::Timeout(max_wait)),
+            Ok(Err(_)) => return Err(TokenError::Unavailable(Arc::from("token renewal stopped"))),
+            Ok(Ok(_)) => {}
+        }
+        newer().ok_or_else(|| TokenError::Unavailable(self.last_error(&lock(&self.inner))))
+    }
+
+    fn last_error(&self, inner: &Inner) -> Arc<str> {
+        inner.failure.as_ref().map_or_else(
+            || Arc::from("the identity service returned no usable token"),
+            |f| Arc::clone(&f.message),
+        )
+    }
+
+    async fn wait_for_fetch(&self, max_wait: Duration) -> Result<Arc<BearerToken>, TokenError> {
         // Subscribed before looking, so a fetch that ends after the look is seen.
         let mut rx = self.fetched.subscribe();
         let seen = *rx.borrow_and_update();
         {
             let mut inner = lock(&self.inner);
             let now = Instant::now();
-            if let Some(rejected) = rejected {
-                // The refused token is withdrawn so no other request sends it.
-                let current = self.current.load_full();
-                if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, rejected)) {
-                    self.current.store(None);
-                    tracing::info!(credential = %self.label, "a backend refused the Entra ID token (401); fetching a new one");
-                }
-            }
             if let Some(t) = self.current() {
                 return Ok(t);
             }
             match (&inner.failure, inner.next_fetch_at) {
-                // Failing, and the next try is scheduled: no token for now. A refused
-                // token still gets its one renewal.
-                (Some(f), Some(at)) if at > now && rejected.is_none() => {
+                // Failing, and the next try is scheduled: no token for now.
+                (Some(f), Some(at)) if at > now => {
                     return Err(TokenError::Unavailable(Arc::clone(&f.message)));
                 }
                 _ => inner.next_fetch_at = Some(now),
@@ -387,13 +533,8 @@ impl TokenSource {
             Ok(Err(_)) => return Err(TokenError::Unavailable(Arc::from("token renewal stopped"))),
             Ok(Ok(_)) => {}
         }
-        self.current().ok_or_else(|| {
-            let inner = lock(&self.inner);
-            TokenError::Unavailable(inner.failure.as_ref().map_or_else(
-                || Arc::from("the identity service returned no usable token"),
-                |f| Arc::clone(&f.message),
-            ))
-        })
+        self.current()
+            .ok_or_else(|| TokenError::Unavailable(self.last_error(&lock(&self.inner))))
     }
 
     /// Fetches when a fetch is due; returns when to look again.
@@ -407,8 +548,20 @@ impl TokenSource {
                 }
             }
         }
-        let result = match tokio::time::timeout(FETCH_TIMEOUT, self.fetcher.fetch()).await {
-            Ok(r) => r,
+        // A panic in the SDK or the transport is a failed fetch, not the end of renewals.
+        let fetch = AssertUnwindSafe(self.fetcher.fetch()).catch_unwind();
+        let result = match tokio::time::timeout(FETCH_TIMEOUT, fetch).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(panic)) => {
+                let message = redact(&panic_message(panic.as_ref()), &[]);
+                tracing::error!(
+                    credential = %self.label,
+                    endpoint = %self.endpoint,
+                    panic = %message,
+                    "the Entra ID token fetch panicked; counted as a failed fetch"
+                );
+                Err(FetchError(format!("the token fetch panicked: {message}")))
+            }
             Err(_) => Err(FetchError(format!(
                 "no answer from the identity service within {} s",
                 FETCH_TIMEOUT.as_secs()
@@ -417,7 +570,15 @@ impl TokenSource {
         let now = Instant::now();
         let result = result.and_then(|t| {
             BearerToken::new(&t.token, now + t.expires_in)
-                .map(|b| (b, t.expires_in))
+                .map(|b| {
+                    (
+                        BearerToken {
+                            obtained_at: now,
+                            ..b
+                        },
+                        t.expires_in,
+                    )
+                })
                 .ok_or_else(|| {
                     FetchError(
                         "the identity service returned a token that is not a valid header value"
@@ -433,15 +594,24 @@ impl TokenSource {
         next
     }
 
-    fn obtained(&self, token: BearerToken, lifetime: Duration, now: Instant) -> Instant {
+    fn obtained(&self, mut token: BearerToken, lifetime: Duration, now: Instant) -> Instant {
         let next = refresh_at(now, lifetime);
-        let recovered = {
+        let (recovered, was_unavailable) = {
             let mut inner = lock(&self.inner);
+            inner.generation += 1;
+            token.generation = inner.generation;
             self.current.store(Some(Arc::new(token)));
             inner.next_fetch_at = Some(next);
-            inner.failure.take()
+            (inner.failure.take(), std::mem::take(&mut inner.unavailable))
         };
         match recovered {
+            Some(f) if was_unavailable => tracing::info!(
+                credential = %self.label,
+                endpoint = %self.endpoint,
+                failures = f.failures,
+                expires_in_s = lifetime.as_secs(),
+                "Entra ID token obtained again; the backends using it are available again"
+            ),
             Some(f) => tracing::info!(
                 credential = %self.label,
                 failures = f.failures,
@@ -462,7 +632,7 @@ impl TokenSource {
 
     fn failed(&self, error: FetchError, now: Instant) -> Instant {
         let valid = self.current.load_full().filter(|t| t.usable_at(now));
-        let (next, first, failures) = {
+        let (next, first, failures, announce) = {
             let mut inner = lock(&self.inner);
             let failures = inner.failure.as_ref().map_or(1, |f| f.failures + 1);
             let mut next = now + backoff(failures);
@@ -476,7 +646,13 @@ impl TokenSource {
                 failures,
             });
             inner.next_fetch_at = Some(next);
-            (next, first, failures)
+            // The first failure of the run that leaves the backends without a token is
+            // said at error level, whether or not an earlier one of the run was said.
+            let announce = valid.is_none() && !inner.unavailable;
+            if valid.is_none() {
+                inner.unavailable = true;
+            }
+            (next, first, failures, announce)
         };
         let retry_ms =
             u64::try_from(next.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX);
@@ -484,26 +660,28 @@ impl TokenSource {
             (None, Some(events)) => events.unavailable(self, next.saturating_duration_since(now)),
             _ => Vec::new(),
         };
-        // Once per run of failures: the first says what is wrong; retries log at debug.
-        if first {
-            match &valid {
-                Some(t) => tracing::warn!(
-                    credential = %self.label,
-                    endpoint = %self.endpoint,
-                    error = %error,
-                    token_left_s = t.expires_at.saturating_duration_since(now).as_secs(),
-                    retry_in_ms = retry_ms,
-                    "could not renew the Entra ID token; the current one stays in use while it is valid"
-                ),
-                None => tracing::error!(
-                    credential = %self.label,
-                    endpoint = %self.endpoint,
-                    error = %error,
-                    backends = %cooled.join(","),
-                    retry_in_ms = retry_ms,
-                    "could not obtain an Entra ID token; the backends using it are unavailable until one is obtained"
-                ),
-            }
+        // Once per run of failures: a warning when a renewal fails while the token in hand
+        // is valid, an error when the backends lose their token (at the first failure, or
+        // later when the token runs out before a renewal succeeds); retries log at debug.
+        if announce {
+            tracing::error!(
+                credential = %self.label,
+                endpoint = %self.endpoint,
+                error = %error,
+                failures,
+                backends = %cooled.join(","),
+                retry_in_ms = retry_ms,
+                "could not obtain an Entra ID token; the backends using it are unavailable until one is obtained"
+            );
+        } else if let (true, Some(t)) = (first, &valid) {
+            tracing::warn!(
+                credential = %self.label,
+                endpoint = %self.endpoint,
+                error = %error,
+                token_left_s = t.expires_at.saturating_duration_since(now).as_secs(),
+                retry_in_ms = retry_ms,
+                "could not renew the Entra ID token; the current one stays in use while it is valid"
+            );
         } else {
             tracing::debug!(credential = %self.label, failures, error = %error, retry_in_ms = retry_ms, "Entra ID token fetch failed again");
         }
@@ -511,9 +689,28 @@ impl TokenSource {
     }
 }
 
+/// What a panic carried, when it is text.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".to_string())
+}
+
+/// Clears the source's `alive` flag when the refresher ends, however it ends.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 /// The background task of one source: fetch when due, sleep until the next fetch is due
 /// or a request asks. Ends when the source is dropped.
-async fn refresher(source: Weak<TokenSource>, wake: Arc<Notify>) {
+async fn refresher(source: Weak<TokenSource>, wake: Arc<Notify>, alive: Arc<AtomicBool>) {
+    let _alive = AliveGuard(alive);
     loop {
         let next = {
             let Some(s) = source.upgrade() else { return };
@@ -768,9 +965,12 @@ pub fn redact(message: &str, secrets: &[String]) -> String {
             m = m.replace(s.as_str(), "***");
         }
     }
+    // Tokens sit between spaces, quotes, or the punctuation of form bodies, JSON and
+    // URLs (`assertion=eyJ...&`, `{"access_token":"eyJ..."}`).
+    let separator = |c: char| c.is_whitespace() || "\"'=&,:;{}()[]<>".contains(c);
     let mut out = String::with_capacity(m.len());
-    for word in m.split_inclusive(|c: char| c.is_whitespace() || c == '"' || c == '\'') {
-        let core = word.trim_end_matches(|c: char| c.is_whitespace() || c == '"' || c == '\'');
+    for word in m.split_inclusive(separator) {
+        let core = word.trim_end_matches(separator);
         if looks_like_jwt(core) {
             out.push_str("***");
             out.push_str(&word[core.len()..]);
@@ -961,6 +1161,7 @@ mod tests {
             };
             tokio::time::sleep(step.0).await;
             match step.1 {
+                Err("PANIC") => panic!("the identity transport fell over"),
                 Ok(lifetime) => Ok(FetchedToken {
                     token: Secret::new(format!("tok-{n}")),
                     expires_in: lifetime,
@@ -1016,6 +1217,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn many_first_requests_share_one_fetch() {
+        let (_logs, _guard) = Logs::capture();
         let (s, f, _) = source(vec![(Duration::from_secs(1), Ok(HOUR))]);
         let t0 = Instant::now();
         let tasks: Vec<_> = (0..100)
@@ -1034,6 +1236,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn renews_five_minutes_ahead_while_requests_keep_the_old_token() {
+        let (_logs, _guard) = Logs::capture();
         // The renewal takes 30 s: requests meanwhile must not wait for it.
         let (s, f, _) = source(vec![
             (Duration::ZERO, Ok(HOUR)),
@@ -1067,6 +1270,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_hundred_requests_at_expiry_trigger_one_fetch() {
+        let (_logs, _guard) = Logs::capture();
         // A two-minute token is renewed halfway (60 s); the renewal takes 80 s, so the
         // token runs out (at 110 s, keeping the 10 s margin) while it is in flight.
         let (s, f, _) = source(vec![
@@ -1116,6 +1320,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn failures_are_remembered_and_retried_with_backoff() {
+        let (_logs, _guard) = Logs::capture();
         let (s, f, events) = source(vec![(Duration::ZERO, Err("identity endpoint down"))]);
         let e = s.bearer(Duration::from_secs(5)).await.unwrap_err();
         assert_eq!(
@@ -1168,6 +1373,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_failed_renewal_keeps_the_token_in_use() {
+        let (_logs, _guard) = Logs::capture();
         let (s, f, events) = source(vec![
             (Duration::ZERO, Ok(HOUR)),
             (
@@ -1202,31 +1408,253 @@ mod tests {
         assert!(!events.unavailable.lock().unwrap().is_empty());
     }
 
+    /// Log lines written while the guard lives, at debug level. Every async test here
+    /// holds one: `tracing` caches whether a log statement is enabled the first time it
+    /// runs, from the subscribers that exist then, so a test without a subscriber could
+    /// hide a line from a test that reads it, when both run at once.
+    #[derive(Clone, Default)]
+    struct Logs(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+        type Writer = Logs;
+        fn make_writer(&'a self) -> Logs {
+            self.clone()
+        }
+    }
+
+    impl Logs {
+        fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
+            let logs = Logs::default();
+            let subscriber = tracing_subscriber::fmt()
+                .with_writer(logs.clone())
+                .with_max_level(tracing::Level::DEBUG)
+                .with_ansi(false)
+                .finish();
+            (logs.clone(), tracing::subscriber::set_default(subscriber))
+        }
+        fn lines(&self, level: &str, text: &str) -> Vec<String> {
+            String::from_utf8_lossy(&self.0.lock().unwrap())
+                .lines()
+                .filter(|l| l.contains(level) && l.contains(text))
+                .map(str::to_string)
+                .collect()
+        }
+    }
+
+    fn renew(
+        s: &Arc<TokenSource>,
+        refused: &Arc<BearerToken>,
+    ) -> tokio::task::JoinHandle<Result<Arc<BearerToken>, TokenError>> {
+        let (s, r) = (Arc::clone(s), Arc::clone(refused));
+        tokio::spawn(async move {
+            match s.refused(&r) {
+                Refusal::Replaced(t) => Ok(t),
+                Refusal::Renewing => s.renewed(&r, Duration::from_secs(30)).await,
+                other => panic!("{other:?}"),
+            }
+        })
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_refused_token_is_renewed_once_for_all_refusals() {
+        let (_logs, _guard) = Logs::capture();
         let (s, f, _) = source(vec![
             (Duration::ZERO, Ok(HOUR)),
             (Duration::from_millis(500), Ok(HOUR)),
         ]);
         let refused = s.bearer(Duration::from_secs(1)).await.unwrap();
-        let tasks: Vec<_> = (0..50)
-            .map(|_| {
-                let s = Arc::clone(&s);
-                let r = Arc::clone(&refused);
-                tokio::spawn(async move { s.renew_rejected(&r, Duration::from_secs(10)).await })
-            })
-            .collect();
+        tokio::time::sleep(MIN_RENEWAL_AGE).await;
+        let tasks: Vec<_> = (0..50).map(|_| renew(&s, &refused)).collect();
         for t in tasks {
             assert_eq!(value(&t.await.unwrap().unwrap()), "Bearer tok-2");
         }
         assert_eq!(f.calls(), 2);
         // A late refusal of the old token gets the new one, with no fetch.
-        let t = s
-            .renew_rejected(&refused, Duration::from_secs(10))
-            .await
-            .unwrap();
-        assert_eq!(value(&t), "Bearer tok-2");
+        match s.refused(&refused) {
+            Refusal::Replaced(t) => assert_eq!(value(&t), "Bearer tok-2"),
+            other => panic!("{other:?}"),
+        }
+        settle().await;
         assert_eq!(f.calls(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_token_stays_in_use_for_every_other_request() {
+        let (_logs, _guard) = Logs::capture();
+        // The renewal takes 5 s and fails.
+        let (s, f, events) = source(vec![
+            (Duration::ZERO, Ok(HOUR)),
+            (
+                Duration::from_secs(5),
+                Err("AADSTS90033: service unavailable"),
+            ),
+        ]);
+        let t1 = s.bearer(Duration::from_secs(1)).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        let refused = renew(&s, &t1);
+        settle().await;
+        assert_eq!(f.calls(), 2, "the refusal started a renewal");
+        // Meanwhile the token is served at once to everyone else.
+        for _ in 0..10 {
+            let before = Instant::now();
+            let t = s.bearer(Duration::from_secs(10)).await.unwrap();
+            assert_eq!(value(&t), "Bearer tok-1");
+            assert_eq!(before.elapsed(), Duration::ZERO);
+        }
+        // Only the refused request learns that the renewal failed; the token stays, and
+        // the backends using it stay available.
+        let e = refused.await.unwrap().unwrap_err();
+        assert_eq!(
+            e,
+            TokenError::Unavailable(Arc::from("AADSTS90033: service unavailable"))
+        );
+        assert!(events.unavailable.lock().unwrap().is_empty());
+        assert_eq!(
+            value(&s.bearer(Duration::ZERO).await.unwrap()),
+            "Bearer tok-1"
+        );
+        // Further refusals of that token fetch nothing ahead of the scheduled retry.
+        for _ in 0..20 {
+            assert!(matches!(s.refused(&t1), Refusal::Unavailable(_)));
+        }
+        settle().await;
+        assert_eq!(f.calls(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_recent_token_refused_is_not_renewed() {
+        let (_logs, _guard) = Logs::capture();
+        let (s, f, _) = source(vec![(Duration::ZERO, Ok(HOUR))]);
+        let t1 = s.bearer(Duration::from_secs(1)).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        for _ in 0..5 {
+            match s.refused(&t1) {
+                Refusal::TooRecent { age } => assert_eq!(age, Duration::from_secs(30)),
+                other => panic!("{other:?}"),
+            }
+        }
+        settle().await;
+        assert_eq!(f.calls(), 1);
+        // Past a minute, the same refusal renews it.
+        tokio::time::sleep(Duration::from_secs(31)).await;
+        assert!(matches!(s.refused(&t1), Refusal::Renewing));
+        settle().await;
+        assert_eq!(f.calls(), 2);
+        assert_eq!(value(&s.current().unwrap()), "Bearer tok-2");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn losing_the_token_is_an_error_once_and_regaining_it_an_info_once() {
+        let (logs, _guard) = Logs::capture();
+        // A two-minute token (renewed from 60 s), then renewals that fail.
+        let (s, f, events) = source(vec![
+            (Duration::ZERO, Ok(Duration::from_secs(120))),
+            (
+                Duration::ZERO,
+                Err("AADSTS700024: client assertion is not within its valid time range"),
+            ),
+        ]);
+        let t0 = Instant::now();
+        s.bearer(Duration::from_secs(1)).await.unwrap();
+        tokio::time::sleep_until(t0 + Duration::from_secs(100)).await;
+        settle().await;
+        assert!(f.calls() >= 3);
+        assert_eq!(
+            logs.lines("WARN", "could not renew the Entra ID token")
+                .len(),
+            1
+        );
+        assert!(logs.lines("ERROR", "could not obtain").is_empty());
+        assert!(events.unavailable.lock().unwrap().is_empty());
+        // The token runs out (110 s, with the margin) before a renewal succeeds: the
+        // backends are cooled, and that is said once, at error level.
+        tokio::time::sleep_until(t0 + Duration::from_secs(200)).await;
+        settle().await;
+        assert!(s.current().is_none());
+        assert!(events.unavailable.lock().unwrap().len() >= 2);
+        let errors = logs.lines("ERROR", "could not obtain an Entra ID token");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains("backends=b1"), "{}", errors[0]);
+        assert!(
+            errors[0].contains("http://identity.test/token"),
+            "{}",
+            errors[0]
+        );
+        assert!(errors[0].contains("AADSTS700024"), "{}", errors[0]);
+        assert!(
+            errors[0].contains("managed identity (system-assigned)"),
+            "{}",
+            errors[0]
+        );
+        assert_eq!(logs.lines("WARN", "could not renew").len(), 1);
+        // Back: one info line.
+        f.push((Duration::ZERO, Ok(HOUR)));
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        settle().await;
+        assert!(s.current().is_some());
+        let back = logs.lines("INFO", "Entra ID token obtained again");
+        assert_eq!(back.len(), 1, "{back:?}");
+        assert!(back[0].contains("available again"), "{}", back[0]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_fetch_is_a_failure_and_renewals_go_on() {
+        let (logs, _guard) = Logs::capture();
+        let (s, f, _) = source(vec![
+            (Duration::ZERO, Err("PANIC")),
+            (Duration::ZERO, Ok(HOUR)),
+        ]);
+        let e = s.bearer(Duration::from_secs(5)).await.unwrap_err();
+        assert!(
+            matches!(&e, TokenError::Unavailable(m) if m.contains("panicked") && m.contains("fell over")),
+            "{e:?}"
+        );
+        assert_eq!(
+            logs.lines("ERROR", "Entra ID token fetch panicked").len(),
+            1
+        );
+        // The refresher lives on and retries after 1 s.
+        tokio::time::sleep(Duration::from_millis(1001)).await;
+        settle().await;
+        assert_eq!(f.calls(), 2);
+        assert_eq!(value(&s.current().unwrap()), "Bearer tok-2");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refresher_that_ended_is_restarted() {
+        let (_logs, _guard) = Logs::capture();
+        let (s, f, _) = source(vec![(Duration::ZERO, Ok(HOUR))]);
+        let t0 = Instant::now();
+        s.bearer(Duration::from_secs(1)).await.unwrap();
+        // The task ends (as it would after a panic outside a fetch).
+        lock(&s.task).as_ref().unwrap().abort();
+        settle().await;
+        assert!(lock(&s.task).as_ref().unwrap().is_finished());
+        // The next request, served the valid token at once, starts a new one; it renews
+        // the token on time.
+        assert_eq!(
+            value(&s.bearer(Duration::ZERO).await.unwrap()),
+            "Bearer tok-1"
+        );
+        assert!(!lock(&s.task).as_ref().unwrap().is_finished());
+        tokio::time::sleep_until(t0 + HOUR - REFRESH_AHEAD + Duration::from_secs(1)).await;
+        settle().await;
+        assert_eq!(f.calls(), 2);
+        // And `start` replaces a finished task too.
+        lock(&s.task).as_ref().unwrap().abort();
+        settle().await;
+        s.start();
+        assert!(!lock(&s.task).as_ref().unwrap().is_finished());
     }
 
     #[test]
@@ -1251,6 +1679,16 @@ mod tests {
         assert_eq!(
             m,
             "AADSTS7000215: Invalid client secret '***' provided. token \"***\" Bearer ***"
+        );
+        // Inside form bodies, JSON and brackets too.
+        let m = redact(
+            &format!("request body grant_type=client_credentials&client_assertion={jwt}&client_id=c1 {{\"access_token\":\"{jwt}\",\"x\":1}} ({jwt}) [{jwt}] <{jwt}> a:{jwt};{jwt},"),
+            &[],
+        );
+        assert!(!m.contains("eyJ"), "{m}");
+        assert_eq!(
+            m,
+            "request body grant_type=client_credentials&client_assertion=***&client_id=c1 {\"access_token\":\"***\",\"x\":1} (***) [***] <***> a:***;***,"
         );
         let long = "x ".repeat(1000);
         assert!(redact(&long, &[]).len() < 700);
@@ -1316,6 +1754,7 @@ mod tests {
 
     #[tokio::test]
     async fn developer_credential_runs_the_azure_cli() {
+        let (_logs, _guard) = Logs::capture();
         let expires = azure_core::time::OffsetDateTime::now_utc().unix_timestamp() + 3600;
         let az = Arc::new(FakeAz {
             code: 0,

@@ -2,7 +2,9 @@
 //! an operator would rather find out before a client does. Off unless a backend has a
 //! `health_check`. A failed check cools the backend (reason "health") for one interval;
 //! the log says when a backend turns unhealthy and when it is healthy again, not every
-//! check.
+//! check. On a backend with an Entra ID credential, a 401 is about the token, not the
+//! backend's health: it asks for a renewal (as a 401 to a request does) and cools the
+//! backend with reason "auth".
 
 use std::sync::{Arc, Weak};
 
@@ -12,6 +14,7 @@ use spillgate_core::outcome::{CoolReason, Cooldown};
 use spillgate_core::retry::AttemptResult;
 
 use crate::app::{App, BackendRt};
+use crate::entra::{BearerToken, Refusal, TokenSource};
 
 /// Starts one task per backend that has a health check. Tasks hold a weak reference and
 /// end when the gateway is dropped.
@@ -124,6 +127,19 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
             return;
         };
         let result = a.upstream.send(req, hc.timeout).await;
+        let refused = matches!(&result, Ok(r) if r.status() == http::StatusCode::UNAUTHORIZED);
+        if let (true, Some(source), Some(t)) = (refused, &b.entra, &token) {
+            b.state.set_last_status(401);
+            let cooldown = (hc.interval, snap.config.cooldown.default_auth);
+            if token_refused(&a, b, source, t, healthy, cooldown) {
+                healthy = false;
+            }
+            drop(result);
+            drop(snap);
+            drop(a);
+            tokio::time::sleep(hc.interval).await;
+            continue;
+        }
         let (ok, detail) = match result {
             Ok(resp) => {
                 let status = resp.status().as_u16();
@@ -169,4 +185,44 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
         drop(a);
         tokio::time::sleep(hc.interval).await;
     }
+}
+
+/// A health check's token was refused (401): the same rules as for a request. A token
+/// less than a minute old is not renewed and the backend is cooled for the whole
+/// `cooldown.default_auth`; otherwise a renewal is asked for and the backend cooled until
+/// the new token arrives (at most one interval). A refusal of a token already replaced
+/// cools nothing: the next check uses the new one. Says whether the backend was cooled.
+/// `cooldown`: the check interval and `cooldown.default_auth`.
+fn token_refused(
+    app: &App,
+    b: &BackendRt,
+    source: &std::sync::Arc<TokenSource>,
+    token: &BearerToken,
+    was_healthy: bool,
+    (interval, default_auth): (std::time::Duration, std::time::Duration),
+) -> bool {
+    match source.refused(token) {
+        Refusal::Replaced(_) => return false,
+        Refusal::TooRecent { age } => {
+            if app.cool_for_refused_token(b, default_auth) {
+                tracing::warn!(
+                    backend = %b.cfg.name,
+                    credential = source.label(),
+                    token_age_s = age.as_secs(),
+                    "the backend refused a recent Entra ID token to its health check (401): does the identity have the \"Cognitive Services OpenAI User\" role on this resource?"
+                );
+            }
+        }
+        Refusal::Renewing | Refusal::Unavailable(_) => {
+            app.cool_for_auth(b, interval);
+            if was_healthy {
+                tracing::warn!(
+                    backend = %b.cfg.name,
+                    credential = source.label(),
+                    "the backend refused the Entra ID token to its health check (401); backend cooling (auth) until a new token is obtained"
+                );
+            }
+        }
+    }
+    true
 }

@@ -152,7 +152,12 @@ fn main() -> ExitCode {
                 }
                 let app = spillgate::app::App::new(config)?;
                 let admin = spillgate::admin::start(std::sync::Arc::clone(&app)).await?;
-                let running = spillgate::server::start(std::sync::Arc::clone(&app)).await?;
+                // One connection thread per core; this runtime keeps the accept loop and
+                // the background work (health checks, reloads, token renewals, admin).
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let workers = spillgate::server::ConnectionThreads::start(cores)?;
+                let running =
+                    spillgate::server::start_on(std::sync::Arc::clone(&app), Some(workers)).await?;
                 if let Some(path) = &config_path {
                     let poll = app.snapshot.load().config.server.config_poll;
                     spillgate::reload::spawn(&app, path.clone(), poll, Some(&loaded_text));

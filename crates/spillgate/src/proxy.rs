@@ -29,7 +29,7 @@ use tower_http::timeout::TimeoutBody;
 
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
-use crate::entra::{BearerToken, TokenError};
+use crate::entra::{BearerToken, Refusal, TokenError};
 use crate::errors::GatewayError;
 use crate::metrics::Label;
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
@@ -1091,9 +1091,11 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         let timeout = left.map_or(first_byte, |r| r.min(first_byte));
         let mut result = app.upstream.send(upstream_req, timeout).await;
         // A 401 to a token: it may have been revoked or its identity's roles changed.
-        // The token is renewed (once, however many requests were refused with it) and
-        // the same backend tried again; a second 401 cools the backend.
-        let mut token_refused = false;
+        // The token is renewed (once, however many requests were refused with it; not at
+        // all when it is less than a minute old) and the same backend tried again, within
+        // the attempt limit and the retry budget; a 401 to the new token cools the backend.
+        // Other backends on the same credential keep using the token meanwhile.
+        let mut token_refused: Option<Arc<BearerToken>> = None;
         if let (Some(source), Some(used)) = (&backend.entra, token.clone()) {
             if matches!(&result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED) {
                 backend.state.set_last_status(401);
@@ -1105,7 +1107,27 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     ])
                     .inc();
                 discard(result.ok());
-                let fresh = match source.renew_rejected(&used, token_wait()).await {
+                match source.refused(&used) {
+                    Refusal::Replaced(_) | Refusal::Renewing => {}
+                    Refusal::TooRecent { age } => {
+                        refused_token(app, backend, age, &snap.config.cooldown, &mut rng);
+                        failures.push(Outcome::ConnectError);
+                        pending_failover = Some((id, Label::from("auth")));
+                        continue;
+                    }
+                    Refusal::Unavailable(message) => {
+                        no_token(app, backend, source, &TokenError::Unavailable(message));
+                        failures.push(Outcome::ConnectError);
+                        pending_failover = Some((id, Label::from("auth")));
+                        continue;
+                    }
+                }
+                if attempts >= max_attempts {
+                    // No attempt left for the retry; the renewal goes on for later requests.
+                    failures.push(Outcome::ConnectError);
+                    continue;
+                }
+                let fresh = match source.renewed(&used, token_wait()).await {
                     Ok(t) => t,
                     Err(e) => {
                         no_token(app, backend, source, &e);
@@ -1114,6 +1136,16 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         continue;
                     }
                 };
+                if deadline_passed() {
+                    return Ended::DeadlineExceeded {
+                        attempts,
+                        deadline: deadline.unwrap_or_default(),
+                    };
+                }
+                if let Err(state) = pay_retry(ctx) {
+                    tracing::warn!(model = %ctx.req.model, route = %route.name, budget = %state, "retry budget exhausted; no further attempts");
+                    return Ended::BudgetExhausted { attempts, state };
+                }
                 let req = match build_upstream_request(
                     backend,
                     model,
@@ -1128,7 +1160,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         continue;
                     }
                 };
-                token = Some(fresh);
+                token = Some(Arc::clone(&fresh));
                 attempts += 1;
                 tracing::debug!(backend = %backend.cfg.name, "retrying with a renewed Entra ID token");
                 let left = remaining();
@@ -1137,7 +1169,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     .upstream
                     .send(req, left.map_or(first_byte, |r| r.min(first_byte)))
                     .await;
-                token_refused = matches!(&result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED);
+                if matches!(&result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED) {
+                    token_refused = Some(fresh);
+                }
             }
         }
         drop(token);
@@ -1207,35 +1241,20 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 ("outcome", outcome_label.clone()),
             ])
             .inc();
-        if token_refused {
-            // A token fresh from the identity service refused: the identity lacks access
-            // to this resource. The backend is taken out and the request moves on; the
-            // client never sees a 401 that is about the gateway's identity.
-            let started = cool(
-                backend,
-                model,
-                &backend.state,
-                CoolReason::Auth,
-                None,
-                now,
-                &snap.config.cooldown,
-                Some(401),
-                &mut rng,
-                &*app.store,
-            );
-            if started {
-                app.metrics
-                    .cooldowns
-                    .get_or_create(&vec![
-                        ("backend", (&backend.cfg.name).into()),
-                        ("reason", "auth".into()),
-                    ])
-                    .inc();
-                tracing::warn!(
-                    backend = %backend.cfg.name,
-                    credential = backend.entra.as_ref().map_or("", |s| s.label()),
-                    "the backend refused a newly obtained Entra ID token (401): does the identity have the \"Cognitive Services OpenAI User\" role on this resource?"
-                );
+        if let (Some(refused), Some(source)) = (token_refused, &backend.entra) {
+            // The backend refused the newer token too. When it is recent (the usual case),
+            // the identity lacks access to this resource; a replacement that was already
+            // old gets the usual renewal instead. Either way the backend is taken out and
+            // the request moves on; the client never sees a 401 that is about the
+            // gateway's identity.
+            match source.refused(&refused) {
+                Refusal::TooRecent { age } => {
+                    refused_token(app, backend, age, &snap.config.cooldown, &mut rng);
+                }
+                Refusal::Replaced(_) | Refusal::Renewing | Refusal::Unavailable(_) => {
+                    let e = TokenError::Unavailable(Arc::from("the backend refused the token"));
+                    no_token(app, backend, source, &e);
+                }
             }
             discard(response);
             failures.push(Outcome::ConnectError);
@@ -1499,6 +1518,29 @@ fn no_token(app: &App, backend: &BackendRt, source: &crate::entra::TokenSource, 
     let d = source.retry_in().unwrap_or_default() + crate::app::AUTH_COOLDOWN_GRACE;
     app.cool_for_auth(backend, d);
     tracing::debug!(backend = %backend.cfg.name, error = %e, "no Entra ID token for the backend; moving on");
+}
+
+/// `backend` refused an Entra ID token that a renewal would not improve (newly obtained,
+/// or younger than [`crate::entra::MIN_RENEWAL_AGE`]): it is cooled (reason "auth",
+/// `cooldown.default_auth`) for its whole time, whatever tokens arrive meanwhile.
+fn refused_token(
+    app: &App,
+    backend: &BackendRt,
+    token_age: Duration,
+    policy: &spillgate_core::config::CooldownPolicy,
+    rng: &mut fastrand::Rng,
+) {
+    let d = cooldown_duration(CoolReason::Auth, None, policy);
+    let d = d + jitter(d, policy, rng);
+    if app.cool_for_refused_token(backend, d) {
+        tracing::warn!(
+            backend = %backend.cfg.name,
+            credential = backend.entra.as_ref().map_or("", |s| s.label()),
+            token_age_s = token_age.as_secs(),
+            cooldown_ms = millis(d),
+            "the backend refused a recent Entra ID token (401): does the identity have the \"Cognitive Services OpenAI User\" role on this resource?"
+        );
+    }
 }
 
 fn build_upstream_request(

@@ -6,6 +6,7 @@
 //! possible. The connect timeout lives in the connector; the time-to-first-byte timeout
 //! wraps each request; the idle timeout between body chunks wraps the response body.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -40,41 +41,75 @@ pub trait Upstream: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>>;
 }
 
+type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// Pools an upstream client keeps at most: one per connection thread (see
+/// [`set_pool_slot`]) plus one for every other thread.
+const MAX_POOLS: usize = 65;
+
+thread_local! {
+    /// Which of the upstream client's connection pools this thread uses: 0 for any
+    /// thread, `1..` for the gateway's per-core connection threads.
+    static POOL_SLOT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Makes the calling thread use its own upstream connection pool. A per-core connection
+/// thread calls this once: an upstream connection is then created, driven and reused on
+/// the thread whose requests use it, so a request never wakes another core (the cost
+/// measured with connections shared across threads).
+pub fn set_pool_slot(slot: usize) {
+    POOL_SLOT.with(|s| s.set(slot % MAX_POOLS));
+}
+
 pub struct UpstreamClient {
-    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    connect_timeout: Duration,
+    /// Built on first use by a thread of that slot.
+    pools: Box<[OnceLock<HttpClient>]>,
 }
 
 impl UpstreamClient {
     pub fn new(timeouts: &Timeouts) -> UpstreamClient {
-        // The first-byte timeout is applied per request (it may be cut short by a
-        // request's deadline); only the connect timeout lives in the connector.
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(timeouts.connect));
-        http.set_keepalive(Some(Duration::from_secs(60)));
-        // The system's CA store (so a private CA in front of a self-hosted server works),
-        // else the bundled webpki roots.
-        let builder = match hyper_rustls::HttpsConnectorBuilder::new().with_native_roots() {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %e, "no usable system CA certificates; using the bundled web PKI roots");
-                hyper_rustls::HttpsConnectorBuilder::new().with_webpki_roots()
-            }
-        };
-        let https = builder
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(256)
-            .build(https);
-        UpstreamClient { client }
+        UpstreamClient {
+            connect_timeout: timeouts.connect,
+            pools: (0..MAX_POOLS).map(|_| OnceLock::new()).collect(),
+        }
     }
+
+    fn client(&self) -> &HttpClient {
+        // `set_pool_slot` keeps slots below MAX_POOLS, the length of `pools`.
+        let slot = POOL_SLOT.with(std::cell::Cell::get) % MAX_POOLS;
+        self.pools[slot].get_or_init(|| build_client(self.connect_timeout))
+    }
+}
+
+fn build_client(connect_timeout: Duration) -> HttpClient {
+    // The first-byte timeout is applied per request (it may be cut short by a request's
+    // deadline); only the connect timeout lives in the connector.
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    // The system's CA store (so a private CA in front of a self-hosted server works),
+    // else the bundled webpki roots.
+    let builder = match hyper_rustls::HttpsConnectorBuilder::new().with_native_roots() {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!(error = %e, "no usable system CA certificates; using the bundled web PKI roots");
+            hyper_rustls::HttpsConnectorBuilder::new().with_webpki_roots()
+        }
+    };
+    let https = builder
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Client::builder(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(256)
+        .build(https)
 }
 
 impl Upstream for UpstreamClient {
@@ -83,7 +118,7 @@ impl Upstream for UpstreamClient {
         req: http::Request<Full<Bytes>>,
         timeout: Duration,
     ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>> {
-        let fut = self.client.request(req);
+        let fut = self.client().request(req);
         Box::pin(async move {
             match tokio::time::timeout(timeout, fut).await {
                 Err(_) => Err(AttemptError::FirstByteTimeout(timeout)),

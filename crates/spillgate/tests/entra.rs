@@ -28,7 +28,7 @@ use serde_json::Value;
 use spillgate::app::App;
 use spillgate::server::{start, Running};
 use spillgate::upstream::{AttemptError, Upstream};
-use spillgate_mock::{IdentityControl, MockBackend, MockConfig, MockIdentity, Reply};
+use spillgate_mock::{IdentityControl, MockBackend, MockConfig, MockIdentity};
 use tower::ServiceExt;
 
 const CLIENT_KEY: &str = "client-key-for-entra-tests-0001";
@@ -173,6 +173,11 @@ async fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
 
 /// Log lines written while the guard lives (this test's thread; tokio tests run their
 /// tasks on it), at debug level, the Azure SDK's lines included.
+///
+/// Every test in this file holds one, even those that read no logs: `tracing` caches
+/// whether a log statement is enabled the first time it runs, from the subscribers that
+/// exist then, so a test without a subscriber could otherwise hide a line from a test
+/// that reads it, when both run at once.
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
 
@@ -427,7 +432,7 @@ async fn token_service_down_cools_the_backend_for_auth_while_others_serve() {
 }
 
 #[tokio::test]
-async fn a_401_renews_the_token_once_and_retries_the_same_backend() {
+async fn a_401_to_a_recent_token_cools_the_backend_without_a_renewal() {
     let (logs, _guard) = Logs::capture();
     let idp = token_service("sp").await;
     let keyed = keyed_backend("keyed").await;
@@ -446,78 +451,38 @@ async fn a_401_renews_the_token_once_and_retries_the_same_backend() {
     );
     assert_eq!(idp.identity_requests().len(), 1);
 
-    // The token service revokes the token: the backend answers 401, the gateway renews
-    // the token and tries the same backend again; the client sees a plain 200.
+    // The backend refuses the token, seconds after it was issued: a new token would be
+    // no different (the identity lacks the role), so none is fetched. The backend is
+    // cooled for "auth" and the request moves on; the client sees a plain 200.
     idp.identity_control(IdentityControl {
         failing: None,
         revoke: true,
     });
-    let (status, headers, body) = gw.chat("gpt-4o").await;
-    assert_eq!(status, StatusCode::OK, "{body}");
-    assert_eq!(h(&headers, "x-spillgate-backend"), "sp");
-    assert_eq!(h(&headers, "x-spillgate-attempts"), "2");
-    assert_eq!(idp.identity_requests().len(), 2);
-    let sent: Vec<String> = idp
-        .requests()
-        .iter()
-        .map(|r| r.header("authorization").unwrap().to_string())
-        .collect();
-    assert_eq!(sent.len(), 3);
-    assert_eq!(sent[0], sent[1], "the refused request used the old token");
-    assert_ne!(sent[1], sent[2], "the retry used a new one");
-    assert_eq!(keyed.hits(), 0);
-
-    // Twenty requests refused with the same token: one renewal between them.
-    idp.identity_control(IdentityControl {
-        failing: None,
-        revoke: true,
-    });
-    let tasks: Vec<_> = (0..20)
-        .map(|_| {
-            let client = gw.client.clone();
-            let url = format!("http://{}/v1/chat/completions", gw.running.addr);
-            tokio::spawn(async move {
-                let req = http::Request::post(url)
-                    .header("api-key", CLIENT_KEY)
-                    .header("content-type", "application/json")
-                    .body(Full::new(Bytes::from(chat("gpt-4o"))))
-                    .unwrap();
-                client.request(req).await.unwrap().status()
-            })
-        })
-        .collect();
-    for t in tasks {
-        assert_eq!(t.await.unwrap(), StatusCode::OK);
-    }
-    assert_eq!(
-        idp.identity_requests().len(),
-        3,
-        "one renewal for twenty refusals"
-    );
-    assert_eq!(keyed.hits(), 0);
-
-    // A backend that refuses even a new token (the identity lacks the role): cooled for
-    // "auth", and the request moves on to the next backend.
-    idp.push_script(vec![Reply::status(401), Reply::status(401)]);
     let (status, headers, body) = gw.chat("gpt-4o").await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(h(&headers, "x-spillgate-backend"), "keyed");
-    assert_eq!(h(&headers, "x-spillgate-attempts"), "3");
-    assert_eq!(idp.identity_requests().len(), 4);
+    assert_eq!(h(&headers, "x-spillgate-attempts"), "2");
+    assert_eq!(idp.identity_requests().len(), 1, "no renewal");
+    assert_eq!(idp.hits(), 2);
     let st = gw.backend_state("sp");
     assert_eq!(
         (st["state"].as_str(), st["reason"].as_str()),
         (Some("cooling"), Some("auth"))
     );
-    assert_eq!(
-        st["token"], "ready",
-        "the token is fine; the backend refuses it"
-    );
+    assert_eq!(st["token"], "ready", "the token stays in use");
     let (_, headers, _) = gw.chat("gpt-4o").await;
     assert_eq!(h(&headers, "x-spillgate-backend"), "keyed", "sp is cooling");
-    assert!(logs.text().contains("Cognitive Services OpenAI User"));
+    assert_eq!(idp.hits(), 2);
+    assert!(
+        logs.text().contains("Cognitive Services OpenAI User"),
+        "{}",
+        logs.text()
+    );
+    assert!(gw
+        .metrics()
+        .contains(r#"spillgate_cooldowns_total{backend="sp",reason="auth"} 1"#));
     let mut secrets = tokens_seen(&[&idp]);
-    assert_eq!(secrets.len(), 4, "{secrets:?}");
+    assert_eq!(secrets.len(), 1, "{secrets:?}");
     secrets.push(SP_SECRET.to_string());
     assert_no_secrets("the log", &logs.text(), &secrets);
     assert_no_secrets(
@@ -529,6 +494,8 @@ async fn a_401_renews_the_token_once_and_retries_the_same_backend() {
 
 #[tokio::test]
 async fn check_probe_reports_each_credential() {
+    // Every test captures: see `Logs`.
+    let (_logs, _guard) = Logs::capture();
     let idp = token_service("sp").await;
     let toml = gateway_toml(&format!(
         "[[backends]]\nname = \"sp\"\nkind = \"azure\"\nurl = \"{}\"\n{}\n[[backends]]\nname = \"sp-2\"\nkind = \"azure\"\nurl = \"{}\"\n{}\n[[backends]]\nname = \"keyed\"\nkind = \"azure\"\nurl = \"{}\"\napi_key = \"env:KEY\"\n",
@@ -592,26 +559,72 @@ async fn check_probe_reports_each_credential() {
 // behind the gateway's `Upstream`, and the real client-secret flow runs against them.
 // ---------------------------------------------------------------------------------------
 
-/// A token answer: after this delay, a token valid for this many seconds.
-type Step = (Duration, u64);
+/// A token answer: after this delay, a token valid for this many seconds (`None`: the
+/// token service answers 503).
+type Step = (Duration, Option<u64>);
 
 /// `login.test` answers token requests (`tok-1`, `tok-2`, ... after each step's delay,
-/// valid for its lifetime); any other host is a backend answering 200, recording the
-/// `Authorization` header it got.
+/// valid for its lifetime); any other host is a backend answering 200 after `latency`,
+/// recording the `Authorization` header it got, or 401 to a revoked token and on a host
+/// that refuses every token (its identity lacks the role).
 #[derive(Clone, Default)]
 struct Scripted {
     token_calls: Arc<AtomicUsize>,
     /// Scripted token answers, in order; the last one repeats.
     steps: Arc<Mutex<(VecDeque<Step>, Option<Step>)>>,
-    seen: Arc<Mutex<Vec<String>>>,
+    /// Backend requests as they arrived: host and `Authorization`.
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+    revoked: Arc<Mutex<Vec<String>>>,
+    refusing: Arc<Mutex<Vec<String>>>,
+    /// How long each backend host takes to answer (none: at once).
+    latency: Arc<Mutex<Vec<(String, Duration)>>>,
 }
 
 impl Scripted {
     fn step(&self, delay: Duration, lifetime_s: u64) {
-        self.steps.lock().unwrap().0.push_back((delay, lifetime_s));
+        self.steps
+            .lock()
+            .unwrap()
+            .0
+            .push_back((delay, Some(lifetime_s)));
+    }
+    fn failing_step(&self, delay: Duration) {
+        self.steps.lock().unwrap().0.push_back((delay, None));
     }
     fn token_calls(&self) -> usize {
         self.token_calls.load(Ordering::SeqCst)
+    }
+    /// The `Authorization` values backends got, in order.
+    fn auths(&self) -> Vec<String> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, a)| a.clone())
+            .collect()
+    }
+    /// How many requests `host` got with `auth`.
+    fn count(&self, host: &str, auth: &str) -> usize {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(h, a)| h == host && a == auth)
+            .count()
+    }
+    /// Backends refuse every token issued so far.
+    fn revoke_all(&self) {
+        let n = self.token_calls();
+        self.revoked
+            .lock()
+            .unwrap()
+            .extend((1..=n).map(|i| format!("Bearer tok-{i}")));
+    }
+    fn refuse_all_on(&self, host: &str) {
+        self.refusing.lock().unwrap().push(host.to_string());
+    }
+    fn set_latency(&self, host: &str, d: Duration) {
+        self.latency.lock().unwrap().push((host.to_string(), d));
     }
 }
 
@@ -623,7 +636,8 @@ impl Upstream for Scripted {
     ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>> {
         let this = self.clone();
         Box::pin(async move {
-            if req.uri().host() == Some("login.test") {
+            let host = req.uri().host().unwrap_or_default().to_string();
+            if host == "login.test" {
                 let n = this.token_calls.fetch_add(1, Ordering::SeqCst) + 1;
                 let (delay, lifetime) = {
                     let mut steps = this.steps.lock().unwrap();
@@ -633,11 +647,20 @@ impl Upstream for Scripted {
                     steps.1.unwrap()
                 };
                 tokio::time::sleep(delay).await;
-                let body = format!(
-                    r#"{{"token_type":"Bearer","expires_in":{lifetime},"access_token":"tok-{n}"}}"#
-                );
+                let (status, body) = match lifetime {
+                    Some(lifetime) => (
+                        200,
+                        format!(
+                            r#"{{"token_type":"Bearer","expires_in":{lifetime},"access_token":"tok-{n}"}}"#
+                        ),
+                    ),
+                    None => (
+                        503,
+                        r#"{"error":"temporarily_unavailable","error_description":"AADSTS90033: The token service is unavailable.","error_codes":[90033]}"#.to_string(),
+                    ),
+                };
                 return Ok(http::Response::builder()
-                    .status(200)
+                    .status(status)
                     .header("content-type", "application/json")
                     .body(Body::from(body))
                     .unwrap());
@@ -647,18 +670,106 @@ impl Upstream for Scripted {
                 .get("authorization")
                 .map(|v| v.to_str().unwrap().to_string())
                 .unwrap_or_default();
-            this.seen.lock().unwrap().push(auth);
+            this.seen.lock().unwrap().push((host.clone(), auth.clone()));
+            let refused = this.revoked.lock().unwrap().contains(&auth)
+                || this.refusing.lock().unwrap().contains(&host);
+            let latency = this
+                .latency
+                .lock()
+                .unwrap()
+                .iter()
+                .rev()
+                .find(|(h, _)| *h == host)
+                .map_or(Duration::ZERO, |(_, d)| *d);
+            tokio::time::sleep(latency).await;
+            let (status, body) = if refused {
+                (
+                    401,
+                    r#"{"error":{"code":"PermissionDenied","message":"Principal does not have access to API/Operation."}}"#,
+                )
+            } else {
+                (200, r#"{"ok":true}"#)
+            };
             Ok(http::Response::builder()
-                .status(200)
+                .status(status)
                 .header("content-type", "application/json")
-                .body(Body::from(r#"{"ok":true}"#))
+                .body(Body::from(body))
                 .unwrap())
         })
     }
 }
 
+const SCRIPTED_AUTH: &str = "auth = { entra = \"client-secret\", tenant_id = \"t\", client_id = \"c\", client_secret = \"env:SP_SECRET\", authority_host = \"https://login.test\" }";
+
+/// A gateway over `up`, on paused time, and a way to send it chat requests.
+struct Paused {
+    app: Arc<App>,
+    router: axum::Router,
+}
+
+impl Paused {
+    fn start(up: &Scripted, backends: &str) -> Paused {
+        let app = App::with_upstream(load(&gateway_toml(backends)), Arc::new(up.clone())).unwrap();
+        let router = spillgate::server::router(Arc::clone(&app));
+        Paused { app, router }
+    }
+
+    /// Sends a request for `model`: status, serving backend and attempts.
+    fn chat(&self, model: &str) -> tokio::task::JoinHandle<(StatusCode, String, String)> {
+        let answer = self.chat_with_body(model);
+        tokio::spawn(async move {
+            let (status, backend, attempts, _) = answer.await.unwrap();
+            (status, backend, attempts)
+        })
+    }
+
+    /// [`Paused::chat`], with the response body.
+    fn chat_with_body(
+        &self,
+        model: &str,
+    ) -> tokio::task::JoinHandle<(StatusCode, String, String, String)> {
+        let r = self.router.clone();
+        let body = chat(model);
+        tokio::spawn(async move {
+            let req = http::Request::post("/v1/chat/completions")
+                .header("api-key", CLIENT_KEY)
+                .header("content-type", "application/json")
+                .body(Body::from(body))
+                .unwrap();
+            let resp = r.oneshot(req).await.unwrap();
+            let (parts, body) = resp.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            (
+                parts.status,
+                h(&parts.headers, "x-spillgate-backend").to_string(),
+                h(&parts.headers, "x-spillgate-attempts").to_string(),
+                String::from_utf8_lossy(&body).into_owned(),
+            )
+        })
+    }
+
+    fn backend_state(&self, name: &str) -> Value {
+        spillgate::admin::state(&self.app)["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["name"] == name)
+            .cloned()
+            .unwrap()
+    }
+}
+
+/// Lets spawned tasks run until they block, without moving the paused clock.
+async fn settle() {
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn tokens_are_renewed_ahead_and_requests_at_expiry_share_one_fetch() {
+    // Every test captures: see `Logs`.
+    let (_logs, _guard) = Logs::capture();
     let up = Scripted::default();
     // The first token takes 2 s to come and lives an hour.
     up.step(Duration::from_secs(2), 3600);
@@ -693,7 +804,7 @@ async fn tokens_are_renewed_ahead_and_requests_at_expiry_share_one_fetch() {
     send_many(100).await;
     assert_eq!(up.token_calls(), 1);
     assert_eq!(t0.elapsed(), Duration::from_secs(2));
-    assert!(up.seen.lock().unwrap().iter().all(|a| a == "Bearer tok-1"));
+    assert!(up.auths().iter().all(|a| a == "Bearer tok-1"));
 
     // Renewed five minutes before expiry, with no request asking; requests during the
     // renewal (10 s) do not wait for it.
@@ -710,7 +821,7 @@ async fn tokens_are_renewed_ahead_and_requests_at_expiry_share_one_fetch() {
         Duration::ZERO,
         "no request waited for the renewal"
     );
-    assert_eq!(up.seen.lock().unwrap().last().unwrap(), "Bearer tok-1");
+    assert_eq!(up.auths().last().unwrap(), "Bearer tok-1");
     tokio::time::sleep(Duration::from_secs(10)).await;
 
     // tok-2 (fetched 3302-3312 s) lives two minutes: renewed halfway, at 3372 s, and
@@ -735,5 +846,295 @@ async fn tokens_are_renewed_ahead_and_requests_at_expiry_share_one_fetch() {
         "{:?}",
         done - now
     );
-    assert_eq!(up.seen.lock().unwrap().last().unwrap(), "Bearer tok-3");
+    assert_eq!(up.auths().last().unwrap(), "Bearer tok-3");
+}
+
+const TWO_BACKENDS: &str = "[[backends]]\nname = \"sp\"\nkind = \"azure\"\nurl = \"http://sp.test\"\npriority = 1\nAUTH\n\
+     [[backends]]\nname = \"keyed\"\nkind = \"azure\"\nurl = \"http://keyed.test\"\napi_key = \"env:KEY\"\npriority = 2\n";
+
+fn two_backends() -> String {
+    TWO_BACKENDS.replace("AUTH", SCRIPTED_AUTH)
+}
+
+#[tokio::test(start_paused = true)]
+async fn overlapping_refusals_of_a_revoked_token_make_one_renewal() {
+    // Every test captures: see `Logs`.
+    let (_logs, _guard) = Logs::capture();
+    let up = Scripted::default();
+    up.step(Duration::ZERO, 3600);
+    let gw = Paused::start(&up, &two_backends());
+    let (status, backend, _) = gw.chat("gpt-4o").await.unwrap();
+    assert_eq!((status, backend.as_str()), (StatusCode::OK, "sp"));
+    assert_eq!(up.token_calls(), 1);
+
+    // Two minutes later the token is revoked. The backend holds each request for 1 s, so
+    // twenty requests sent together are all at the backend with the old token at once,
+    // and all refused together; ten more sent half a second later are refused after
+    // the renewal (0.2 s) has brought the new token.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    up.revoke_all();
+    up.set_latency("sp.test", Duration::from_secs(1));
+    up.step(Duration::from_millis(200), 3600);
+    let t0 = tokio::time::Instant::now();
+    let mut tasks: Vec<_> = (0..20).map(|_| gw.chat("gpt-4o")).collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        up.count("sp.test", "Bearer tok-1"),
+        21,
+        "twenty requests at the backend with the revoked token, none answered yet"
+    );
+    tasks.extend((0..10).map(|_| gw.chat("gpt-4o")));
+    for t in tasks {
+        assert_eq!(
+            t.await.unwrap(),
+            (StatusCode::OK, "sp".to_string(), "2".to_string())
+        );
+    }
+    assert_eq!(
+        up.token_calls(),
+        2,
+        "one renewal for thirty refusals of the same token"
+    );
+    assert_eq!(up.count("sp.test", "Bearer tok-1"), 31);
+    assert_eq!(up.count("sp.test", "Bearer tok-2"), 30);
+    assert_eq!(up.count("keyed.test", ""), 0);
+    // The first twenty: refused at 1 s, retried at 1.2 s, answered at 2.2 s; the last
+    // ten: refused at 1.5 s, retried at once, answered at 2.5 s.
+    assert_eq!(t0.elapsed(), Duration::from_millis(2500));
+
+    // Two minutes on, the identity loses its role on sp: the (old) token is refused, a
+    // new one is fetched, and refused too. sp is cooled for "auth" and the request moves
+    // to the next backend.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    up.refuse_all_on("sp.test");
+    let r = gw.chat("gpt-4o").await.unwrap();
+    assert_eq!(r, (StatusCode::OK, "keyed".to_string(), "3".to_string()));
+    assert_eq!(up.token_calls(), 3);
+    assert_eq!(up.count("sp.test", "Bearer tok-3"), 1);
+    let st = gw.backend_state("sp");
+    assert_eq!(
+        (st["state"].as_str(), st["reason"].as_str()),
+        (Some("cooling"), Some("auth")),
+        "{st}"
+    );
+    let r = gw.chat("gpt-4o").await.unwrap();
+    assert_eq!(r, (StatusCode::OK, "keyed".to_string(), "1".to_string()));
+    assert_eq!(up.token_calls(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_401_on_one_backend_leaves_the_shared_token_to_the_others() {
+    // Every test captures: see `Logs`.
+    let (_logs, _guard) = Logs::capture();
+    let up = Scripted::default();
+    up.step(Duration::ZERO, 3600);
+    // Backend a refuses every token (its identity lacks the role), answering in 1 s;
+    // b, on the same credential, accepts them at once.
+    up.refuse_all_on("a.test");
+    up.set_latency("a.test", Duration::from_secs(1));
+    let gw = Paused::start(
+        &up,
+        &format!(
+            "[[backends]]\nname = \"a\"\nkind = \"azure\"\nurl = \"http://a.test\"\n{SCRIPTED_AUTH}\ndeployments = {{ \"m-a\" = \"m-a\" }}\n\
+             [[backends]]\nname = \"b\"\nkind = \"azure\"\nurl = \"http://b.test\"\n{SCRIPTED_AUTH}\ndeployments = {{ \"m-b\" = \"m-b\" }}\n"
+        ),
+    );
+    let (status, backend, _) = gw.chat("m-b").await.unwrap();
+    assert_eq!((status, backend.as_str()), (StatusCode::OK, "b"));
+    tokio::time::sleep(Duration::from_secs(120)).await;
+
+    // A request to a is refused (at 1 s): the token is renewed, which takes 5 s and
+    // fails.
+    up.failing_step(Duration::from_secs(5));
+    let t0 = tokio::time::Instant::now();
+    let refused = gw.chat("m-a");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(up.token_calls(), 2, "the renewal is under way");
+    // Meanwhile b's requests are served with the current token, without waiting.
+    for _ in 0..5 {
+        let before = tokio::time::Instant::now();
+        let (status, backend, attempts) = gw.chat("m-b").await.unwrap();
+        assert_eq!(
+            (status, backend.as_str(), attempts.as_str()),
+            (StatusCode::OK, "b", "1")
+        );
+        assert_eq!(before.elapsed(), Duration::ZERO, "no wait for the renewal");
+        assert_eq!(up.auths().last().unwrap(), "Bearer tok-1");
+    }
+    // One more request to a leaves at 5.5 s, before the renewal fails (6 s), and is
+    // refused after it (6.5 s): that refusal fetches nothing before the retry the
+    // failure scheduled (7 s).
+    tokio::time::sleep_until(t0 + Duration::from_millis(5500)).await;
+    let late = gw.chat("m-a");
+    let (status, _, _) = refused.await.unwrap();
+    assert_ne!(status, StatusCode::OK);
+    assert_eq!(t0.elapsed(), Duration::from_secs(6));
+    let (status, _, _) = late.await.unwrap();
+    assert_ne!(status, StatusCode::OK);
+    assert_eq!(t0.elapsed(), Duration::from_millis(6500));
+    assert_eq!(up.token_calls(), 2, "one renewal for the refused token");
+    assert_eq!(up.count("a.test", "Bearer tok-1"), 2);
+
+    // a is cooled for "auth"; b is not, and keeps serving with the token.
+    let a = gw.backend_state("a");
+    assert_eq!(
+        (a["state"].as_str(), a["reason"].as_str()),
+        (Some("cooling"), Some("auth"))
+    );
+    let b = gw.backend_state("b");
+    assert_eq!(b["state"], "ready", "{b}");
+    assert_eq!(b["token"], "ready", "{b}");
+    for _ in 0..3 {
+        let before = tokio::time::Instant::now();
+        let (status, backend, _) = gw.chat("m-b").await.unwrap();
+        assert_eq!((status, backend.as_str()), (StatusCode::OK, "b"));
+        assert_eq!(before.elapsed(), Duration::ZERO);
+        assert_eq!(up.auths().last().unwrap(), "Bearer tok-1");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backend_refusing_a_recent_token_stays_out_for_its_whole_cooldown() {
+    // Every test captures: see `Logs`.
+    let (_logs, _guard) = Logs::capture();
+    let up = Scripted::default();
+    // The first token lives 40 s, so it is renewed at 20 s; the next lives an hour.
+    up.step(Duration::ZERO, 40);
+    up.step(Duration::ZERO, 3600);
+    up.refuse_all_on("sp.test");
+    let gw = Paused::start(
+        &up,
+        &format!(
+            "[cooldown]\ndefault_auth = \"30s\"\nmax_jitter = \"0s\"\n{}",
+            two_backends()
+        ),
+    );
+    let t0 = tokio::time::Instant::now();
+    // sp refuses a token seconds old: no renewal, sp cooled for 30 s, keyed serves.
+    let r = gw.chat("gpt-4o").await.unwrap();
+    assert_eq!(r, (StatusCode::OK, "keyed".to_string(), "2".to_string()));
+    assert_eq!(up.token_calls(), 1);
+
+    // The token is renewed at 20 s: that does not end sp's cooldown.
+    tokio::time::sleep_until(t0 + Duration::from_secs(25)).await;
+    assert_eq!(up.token_calls(), 2);
+    let st = gw.backend_state("sp");
+    assert_eq!(
+        (st["state"].as_str(), st["reason"].as_str()),
+        (Some("cooling"), Some("auth")),
+        "{st}"
+    );
+    let r = gw.chat("gpt-4o").await.unwrap();
+    assert_eq!(r, (StatusCode::OK, "keyed".to_string(), "1".to_string()));
+    assert_eq!(up.count("sp.test", "Bearer tok-1"), 1);
+    assert_eq!(up.count("sp.test", "Bearer tok-2"), 0);
+
+    // After its 30 s, sp is tried again, refuses the new token (11 s old), and is
+    // cooled again, with no renewal.
+    tokio::time::sleep_until(t0 + Duration::from_secs(31)).await;
+    let r = gw.chat("gpt-4o").await.unwrap();
+    assert_eq!(r, (StatusCode::OK, "keyed".to_string(), "2".to_string()));
+    assert_eq!(up.count("sp.test", "Bearer tok-2"), 1);
+    assert_eq!(up.token_calls(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_retry_after_a_401_keeps_to_max_attempts_and_the_retry_budget() {
+    // Every test captures: see `Logs`.
+    let (_logs, _guard) = Logs::capture();
+    for (limit, code) in [
+        ("[routing]\nmax_attempts = 1\n", ""),
+        (
+            "[retry]\nbudget = { ratio = 0.0, min_per_second = 0 }\n",
+            "retry_budget_exhausted",
+        ),
+    ] {
+        let up = Scripted::default();
+        up.step(Duration::ZERO, 3600);
+        let gw = Paused::start(&up, &format!("{limit}{}", two_backends()));
+        let r = gw.chat("gpt-4o").await.unwrap();
+        assert_eq!(r, (StatusCode::OK, "sp".to_string(), "1".to_string()));
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        up.revoke_all();
+        // Refused, and no attempt left for the retry: the request ends there.
+        let (status, _, attempts, body) = gw.chat_with_body("gpt-4o").await.unwrap();
+        assert_eq!(
+            (status, attempts.as_str()),
+            (StatusCode::SERVICE_UNAVAILABLE, "1"),
+            "{limit}{body}"
+        );
+        assert!(body.contains(code), "{limit}{body}");
+        assert_eq!(up.count("sp.test", "Bearer tok-1"), 2, "{limit}");
+        assert_eq!(up.count("keyed.test", ""), 0, "{limit}");
+        // The renewal went on regardless: the next request gets the new token.
+        settle().await;
+        assert_eq!(up.token_calls(), 2, "{limit}");
+        let r = gw.chat("gpt-4o").await.unwrap();
+        assert_eq!(
+            r,
+            (StatusCode::OK, "sp".to_string(), "1".to_string()),
+            "{limit}"
+        );
+        assert_eq!(up.count("sp.test", "Bearer tok-2"), 1, "{limit}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_401_to_a_health_check_renews_the_token_and_cools_for_auth() {
+    // Every test captures: see `Logs`.
+    let (_logs, _guard) = Logs::capture();
+    let up = Scripted::default();
+    up.step(Duration::ZERO, 3600);
+    let gw = Paused::start(
+        &up,
+        &format!(
+            "[[backends]]\nname = \"sp\"\nkind = \"azure\"\nurl = \"http://sp.test\"\n{SCRIPTED_AUTH}\nhealth_check = {{ path = \"/openai/models?api-version=2024-10-21\", interval = \"10s\" }}\n"
+        ),
+    );
+    spillgate::health::spawn(&gw.app);
+    let t0 = tokio::time::Instant::now();
+    // Checks every 10 s pass with the token.
+    tokio::time::sleep_until(t0 + Duration::from_secs(65)).await;
+    assert!(up.count("sp.test", "Bearer tok-1") >= 5);
+    assert_eq!(gw.backend_state("sp")["state"], "ready");
+
+    // The token is revoked: the check at 70 s is refused, which asks for a renewal (3 s)
+    // and cools the backend for "auth" until the new token is in hand.
+    up.revoke_all();
+    up.step(Duration::from_secs(3), 3600);
+    tokio::time::sleep_until(t0 + Duration::from_secs(71)).await;
+    settle().await;
+    assert_eq!(up.token_calls(), 2);
+    let st = gw.backend_state("sp");
+    assert_eq!(
+        (st["state"].as_str(), st["reason"].as_str()),
+        (Some("cooling"), Some("auth")),
+        "{st}"
+    );
+    tokio::time::sleep_until(t0 + Duration::from_secs(74)).await;
+    settle().await;
+    assert_ne!(gw.backend_state("sp")["state"], "cooling");
+    tokio::time::sleep_until(t0 + Duration::from_secs(81)).await;
+    settle().await;
+    assert_eq!(
+        up.count("sp.test", "Bearer tok-2"),
+        1,
+        "the next check uses the new token"
+    );
+
+    // A refusal of a token 17 s old renews nothing and cools the backend for
+    // `cooldown.default_auth`.
+    up.refuse_all_on("sp.test");
+    tokio::time::sleep_until(t0 + Duration::from_secs(91)).await;
+    settle().await;
+    assert_eq!(up.count("sp.test", "Bearer tok-2"), 2);
+    assert_eq!(up.token_calls(), 2);
+    let st = gw.backend_state("sp");
+    assert_eq!(
+        (st["state"].as_str(), st["reason"].as_str()),
+        (Some("cooling"), Some("auth")),
+        "{st}"
+    );
+    let left = st["cooling_ms"].as_u64().unwrap();
+    assert!(left > 25_000 && left <= 30_000, "{st}");
 }

@@ -528,6 +528,43 @@ async fn sse_bytes_pass_through_unchanged_whatever_the_framing() {
     assert_eq!(body, odd.as_bytes());
 }
 
+/// The binary serves connections on one thread per core, each with its own upstream pool:
+/// requests, streams and the drain at shutdown work the same there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_served_on_per_core_threads_work_end_to_end() {
+    let mut env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
+    let config = config_for(&[b("p1", 1), b("p2", 2)], &env.mocks, "", "");
+    let workers = spillgate::server::ConnectionThreads::start(2).unwrap();
+    env.gw = spillgate::server::start_on(App::new(config).unwrap(), Some(workers))
+        .await
+        .unwrap();
+    for _ in 0..20 {
+        // A new client connection each time, so both threads get some.
+        let client = Client::builder(TokioExecutor::new()).build_http();
+        let req = env
+            .request("POST", "/v1/chat/completions", CHAT)
+            .header("connection", "close")
+            .body(Full::new(Bytes::from(CHAT)))
+            .unwrap();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(header(resp.headers(), "x-spillgate-backend"), "p1");
+    }
+    env.mocks[0].push_script(vec![Reply::stream(5, 20)]);
+    let mut body = open_stream(&env).await;
+    let mut text = String::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(d) = frame.unwrap().into_data() {
+            text.push_str(&String::from_utf8_lossy(&d));
+        }
+    }
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    assert_eq!(env.hits(), vec![21, 0]);
+    tokio::time::timeout(Duration::from_secs(10), env.gw.shutdown())
+        .await
+        .expect("drained");
+}
+
 /// A backend that sends a whole stream at once (a fast local server, a cached answer)
 /// gets it to the client in a few writes, not one write per chunk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""SSE stream load for bench/overhead.sh (standard library only, loopback only).
+
+  streams.py concurrent URL N   open N streams at once; report how many completed
+  streams.py ttfb URL N         N streams one after the other; time to first event
+
+Each stream is one POST with `Connection: close`, read to the end. A stream counts as
+complete when its status is 200 and its body ends with `data: [DONE]`. Output is one
+line of JSON.
+"""
+
+import asyncio
+import json
+import resource
+import sys
+import time
+from urllib.parse import urlsplit
+
+BODY = json.dumps(
+    {
+        "model": "gpt-4o",
+        "stream": True,
+        "messages": [{"role": "user", "content": "Summarise the quarterly report in three bullet points."}],
+        "max_tokens": 70,
+    }
+).encode()
+
+
+def request_bytes(url):
+    u = urlsplit(url)
+    head = (
+        f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(BODY)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    return u.hostname, u.port, head + BODY
+
+
+async def one_stream(url, state, timeout):
+    host, port, req = request_bytes(url)
+    start = time.monotonic()
+    ttfb = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        state["connect_errors"] += 1
+        return None
+    try:
+        writer.write(req)
+        await writer.drain()
+        data = b""
+        headers_done = False
+        opened = False
+        while True:
+            chunk = await asyncio.wait_for(reader.read(65536), timeout)
+            if not chunk:
+                break
+            data += chunk
+            if not headers_done and b"\r\n\r\n" in data:
+                headers_done = True
+                if data.startswith(b"HTTP/1.1 200"):
+                    opened = True
+                    state["open"] += 1
+                    state["peak_open"] = max(state["peak_open"], state["open"])
+            if headers_done and ttfb is None and b"data:" in data:
+                ttfb = time.monotonic() - start
+        if opened:
+            state["open"] -= 1
+        body = data.split(b"\r\n\r\n", 1)[-1]
+        if data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in body[-64:]:
+            state["complete"] += 1
+        else:
+            state["incomplete"] += 1
+    except (OSError, asyncio.TimeoutError):
+        state["incomplete"] += 1
+    finally:
+        writer.close()
+    return ttfb
+
+
+async def concurrent(url, n):
+    state = dict(open=0, peak_open=0, complete=0, incomplete=0, connect_errors=0)
+    start = time.monotonic()
+    tasks = []
+    # Open in batches so the listen backlog is not the thing measured.
+    for i in range(0, n, 250):
+        for _ in range(min(250, n - i)):
+            tasks.append(asyncio.create_task(one_stream(url, state, 120)))
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*tasks)
+    state["streams"] = n
+    state["seconds"] = round(time.monotonic() - start, 2)
+    return state
+
+
+async def ttfb(url, n):
+    state = dict(open=0, peak_open=0, complete=0, incomplete=0, connect_errors=0)
+    times = []
+    for _ in range(n):
+        t = await one_stream(url, state, 30)
+        if t is not None:
+            times.append(t * 1000)
+    times.sort()
+
+    def pct(p):
+        return round(times[min(len(times) - 1, int(len(times) * p))], 3) if times else None
+
+    return dict(n=n, complete=state["complete"], p50_ms=pct(0.5), p99_ms=pct(0.99))
+
+
+def main():
+    if len(sys.argv) != 4 or sys.argv[1] not in ("concurrent", "ttfb"):
+        sys.exit(__doc__)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    mode, url, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    result = asyncio.run(concurrent(url, n) if mode == "concurrent" else ttfb(url, n))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
