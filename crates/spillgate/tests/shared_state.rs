@@ -273,7 +273,14 @@ async fn a_recovering_backend_gets_one_probe_across_instances() {
     let backends = [("x", 1), ("y", 2)];
     let extra = "[circuit_breaker]\nfailures = 1\nwindow = \"10s\"\ntrip = \"1s\"\ncondition = [\"500-599\"]\n[cooldown]\ndefault_5xx = \"1s\"\n";
     let a = gateway(config(&backends, &[&x, &y], Some(&redis.url()), extra)).await;
-    let b = gateway(config(&backends, &[&x, &y], Some(&redis.url()), extra)).await;
+    // B serves its connections on per-core threads, as the binary does: its probe claims
+    // run there, while its Redis connection lives on the main runtime.
+    let b = spillgate::server::start_on(
+        App::new(config(&backends, &[&x, &y], Some(&redis.url()), extra)).unwrap(),
+        Some(spillgate::server::ConnectionThreads::start(2).unwrap()),
+    )
+    .await
+    .unwrap();
     wait_connected(&[&a, &b]).await;
     let c = client();
 
