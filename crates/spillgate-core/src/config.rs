@@ -601,8 +601,8 @@ pub struct RedisConfig {
     /// Prepended to every key and to the event channel, so several gateway clusters (or
     /// other programs) can share one Redis.
     pub prefix: String,
-    /// Longest a request may wait on Redis (the cluster-wide probe claim); past it the
-    /// instance decides alone.
+    /// Longest a request may wait on Redis, all its probe claims together (at most
+    /// [`MAX_STATE_TIMEOUT`]); past it the instance decides alone.
     pub timeout: Duration,
     /// Longest a connection attempt may take.
     pub connect_timeout: Duration,
@@ -625,6 +625,10 @@ impl RedisConfig {
 }
 
 pub const DEFAULT_STATE_PREFIX: &str = "spillgate";
+
+/// Largest `state.timeout`: it is spent on the request path (the probe claim), so it must
+/// stay small next to an upstream round trip.
+pub const MAX_STATE_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// The separate admin listener: metrics, state, dashboard.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -2193,24 +2197,29 @@ fn validate_state(
         );
         ok = false;
     }
-    let mut duration =
-        |v: Option<Duration>, default: Duration, min: Duration, max: Duration, key: &str| {
-            let d = v.unwrap_or(default);
-            if d < min || d > max {
-                errors.push(
-                    format!("state.{key}"),
-                    format!("must be between {min:?} and {max:?}, got {d:?}"),
-                );
-                ok = false;
-            }
-            d
-        };
+    let mut duration = |v: Option<Duration>,
+                        default: Duration,
+                        min: Duration,
+                        max: Duration,
+                        key: &str,
+                        note: &str| {
+        let d = v.unwrap_or(default);
+        if d < min || d > max {
+            errors.push(
+                format!("state.{key}"),
+                format!("must be between {min:?} and {max:?}{note}, got {d:?}"),
+            );
+            ok = false;
+        }
+        d
+    };
     let timeout = duration(
         s.timeout,
         Duration::from_millis(5),
         Duration::from_millis(1),
-        Duration::from_secs(1),
+        MAX_STATE_TIMEOUT,
         "timeout",
+        " (the longest a request waits on Redis in all)",
     );
     let connect_timeout = duration(
         s.connect_timeout,
@@ -2218,6 +2227,7 @@ fn validate_state(
         Duration::from_millis(10),
         Duration::from_secs(30),
         "connect_timeout",
+        "",
     );
     let poll = duration(
         s.poll,
@@ -2225,6 +2235,7 @@ fn validate_state(
         Duration::from_millis(50),
         Duration::from_secs(10),
         "poll",
+        "",
     );
     ok.then_some(RedisConfig {
         tls,
@@ -2945,7 +2956,9 @@ auth = { entra = "developer" }
         );
         assert!(m[3].starts_with("state.prefix: must be 1 to 64"), "{m:#?}");
         assert!(
-            m[4].starts_with("state.timeout: must be between 1ms and 1s"),
+            m[4].starts_with(
+                "state.timeout: must be between 1ms and 100ms (the longest a request waits on Redis in all), got 5s"
+            ),
             "{m:#?}"
         );
         assert!(m.iter().all(|l| !l.contains("hunter2")), "{m:#?}");

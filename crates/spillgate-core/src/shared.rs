@@ -10,8 +10,8 @@
 //!
 //! The store is not trusted: another program, an older version or an operator with
 //! `redis-cli` may have written anything there. Every decoder here checks its input and
-//! bounds it: a cooldown deadline years ahead is clamped to the longest cooldown the
-//! config can produce, counts beyond any real quota and observations from the future are
+//! bounds it: a cooldown deadline further ahead than the longest cooldown the config can
+//! produce is refused (the store deletes it), counts beyond any real quota and observations from the future are
 //! refused, and text that does not parse is an error, never a panic. Times are unix
 //! milliseconds (wall clock), the only clock instances share.
 
@@ -87,22 +87,16 @@ pub fn encode_cooldown(c: Cooldown) -> String {
     format!("{}:{}", c.until_ms, c.reason.as_str())
 }
 
-/// A cooldown read back from the store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReadCooldown {
-    pub cooldown: Cooldown,
-    /// The stored deadline was further ahead than any configured cooldown and was cut.
-    pub clamped: bool,
-}
-
-/// Reads a cooldown. `Ok(None)` when it is already over; a deadline more than
-/// `max_ahead_ms` after `now_ms` is clamped to that (no config produces a longer one, so
-/// the value is wrong, but the backend may well be cooling).
+/// Reads a cooldown. `Ok(None)` when it is already over. A deadline more than
+/// `max_ahead_ms` (the longest cooldown the reader's config can produce) plus
+/// [`MAX_SKEW_MS`] after `now_ms` is refused: no instance with the same config writes
+/// one, so the value is wrong, and honouring it (even cut to the longest cooldown) would
+/// keep the backend out for as long as the value stays in the store.
 pub fn decode_cooldown(
     s: &str,
     now_ms: u64,
     max_ahead_ms: u64,
-) -> Result<Option<ReadCooldown>, Invalid> {
+) -> Result<Option<Cooldown>, Invalid> {
     let (until, reason) = s
         .split_once(':')
         .ok_or_else(|| invalid(format!("cooldown is not `deadline:reason`: {:?}", short(s))))?;
@@ -112,14 +106,13 @@ pub fn decode_cooldown(
     if until_ms <= now_ms {
         return Ok(None);
     }
-    let limit = now_ms.saturating_add(max_ahead_ms);
-    Ok(Some(ReadCooldown {
-        cooldown: Cooldown {
-            until_ms: until_ms.min(limit),
-            reason,
-        },
-        clamped: until_ms > limit,
-    }))
+    let ahead = until_ms - now_ms;
+    if ahead > max_ahead_ms.saturating_add(MAX_SKEW_MS) {
+        return Err(invalid(format!(
+            "cooldown deadline is {ahead} ms ahead, beyond the longest configured cooldown ({max_ahead_ms} ms)"
+        )));
+    }
+    Ok(Some(Cooldown { until_ms, reason }))
 }
 
 /// What one instance observed about a deployment's capacity: its counters and when.
@@ -397,9 +390,7 @@ mod tests {
         };
         let s = encode_cooldown(c);
         assert_eq!(s, format!("{}:429", NOW + 20_000));
-        let read = decode_cooldown(&s, NOW, 600_000).unwrap().unwrap();
-        assert_eq!(read.cooldown, c);
-        assert!(!read.clamped);
+        assert_eq!(decode_cooldown(&s, NOW, 600_000), Ok(Some(c)));
         assert_eq!(decode_cooldown(&s, NOW + 20_000, 600_000), Ok(None));
         for r in [
             CoolReason::ServerError,
@@ -411,22 +402,25 @@ mod tests {
                 until_ms: NOW + 1,
                 reason: r,
             };
-            assert_eq!(
-                decode_cooldown(&encode_cooldown(c), NOW, 10)
-                    .unwrap()
-                    .unwrap()
-                    .cooldown,
-                c
-            );
+            assert_eq!(decode_cooldown(&encode_cooldown(c), NOW, 10), Ok(Some(c)));
         }
     }
 
     #[test]
-    fn far_future_cooldowns_are_clamped_and_garbage_refused() {
+    fn far_future_cooldowns_and_garbage_are_refused() {
         let ten_years = format!("{}:429", NOW + 10 * YEAR_MS);
-        let read = decode_cooldown(&ten_years, NOW, 600_000).unwrap().unwrap();
-        assert_eq!(read.cooldown.until_ms, NOW + 600_000);
-        assert!(read.clamped);
+        let e = decode_cooldown(&ten_years, NOW, 600_000).unwrap_err();
+        assert!(
+            e.0.contains("beyond the longest configured cooldown"),
+            "{e}"
+        );
+        // Up to the clock skew between instances past the longest cooldown is taken.
+        let edge = NOW + 600_000 + MAX_SKEW_MS;
+        assert_eq!(
+            decode_cooldown(&format!("{edge}:429"), NOW, 600_000).map(|c| c.map(|c| c.until_ms)),
+            Ok(Some(edge))
+        );
+        assert!(decode_cooldown(&format!("{}:429", edge + 1), NOW, 600_000).is_err());
         for bad in [
             "",
             "soon",
@@ -550,7 +544,7 @@ mod tests {
         #[test]
         fn decoders_never_panic(s in "\\PC{0,80}", now in 0u64..u64::MAX / 2) {
             if let Ok(Some(c)) = decode_cooldown(&s, now, 600_000) {
-                prop_assert!(c.cooldown.until_ms > now && c.cooldown.until_ms <= now + 600_000);
+                prop_assert!(c.until_ms > now && c.until_ms <= now + 600_000 + MAX_SKEW_MS);
             }
             if let Ok(Some(c)) = decode_capacity(&s, now) {
                 prop_assert!(c.observed_ms <= now + MAX_SKEW_MS);
@@ -560,11 +554,12 @@ mod tests {
         }
 
         #[test]
-        fn numeric_cooldowns_are_clamped(until in any::<u64>(), now in 0u64..u64::MAX / 2) {
+        fn numeric_cooldowns_are_bounded(until in any::<u64>(), now in 0u64..u64::MAX / 2) {
             let s = format!("{until}:5xx");
-            match decode_cooldown(&s, now, 60_000).unwrap() {
-                None => prop_assert!(until <= now),
-                Some(c) => prop_assert!(c.cooldown.until_ms <= now + 60_000 && c.cooldown.until_ms > now),
+            match decode_cooldown(&s, now, 60_000) {
+                Ok(None) => prop_assert!(until <= now),
+                Ok(Some(c)) => prop_assert!(c.until_ms == until && until > now && until <= now + 60_000 + MAX_SKEW_MS),
+                Err(_) => prop_assert!(until > now + 60_000 + MAX_SKEW_MS),
             }
         }
     }

@@ -95,6 +95,12 @@ impl DeploymentStates {
         }
     }
 
+    /// The state of deployment `name` if it is tracked already; never creates one (for
+    /// what other instances say: only requests and the config add names).
+    pub fn find(&self, name: &str) -> Option<Arc<BackendState>> {
+        self.by_name.read().ok()?.get(name).cloned()
+    }
+
     /// Every tracked deployment and its state, sorted by name.
     pub fn all(&self) -> Vec<(String, Arc<BackendState>)> {
         let mut v: Vec<_> = self

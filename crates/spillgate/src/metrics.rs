@@ -104,7 +104,7 @@ pub struct Metrics {
     remaining_tokens: Family<Labels, Gauge>,
     remaining_requests: Family<Labels, Gauge>,
     store_connected: Family<Labels, Gauge>,
-    store_events: Family<Labels, Gauge>,
+    store_events: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -195,7 +195,7 @@ impl Metrics {
         );
         registry.register(
             "state_store_operations",
-            "Shared state store counts since start: sent (observations written), received (other instances' updates applied), rejected (invalid values read), errors, dropped (write queue full), local_decisions (probe claims not answered in time)",
+            "Shared state store operations since start: sent (observations written), received (other instances' updates applied), rejected (invalid values read), errors, dropped (write queue full), local_decisions (probe claims decided without Redis)",
             m.store_events.clone(),
         );
         Metrics { registry, ..m }
@@ -245,7 +245,6 @@ impl Metrics {
         }
         let store = app.store.status();
         self.store_connected.clear();
-        self.store_events.clear();
         if let Some(connected) = store.connected {
             self.store_connected
                 .get_or_create(&vec![("store", store.kind.into())])
@@ -258,9 +257,15 @@ impl Metrics {
                 ("dropped", store.dropped),
                 ("local_decisions", store.local_decisions),
             ] {
-                self.store_events
-                    .get_or_create(&vec![("store", store.kind.into()), ("kind", kind.into())])
-                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+                // The store counts; the counter catches up with it (the store is chosen at
+                // start, so its series never go away).
+                let c = self
+                    .store_events
+                    .get_or_create(&vec![("store", store.kind.into()), ("kind", kind.into())]);
+                let seen = c.get();
+                if n > seen {
+                    c.inc_by(n - seen);
+                }
             }
         }
         let mut out = String::new();

@@ -33,7 +33,7 @@ use crate::entra::{BearerToken, Refusal, TokenError};
 use crate::errors::GatewayError;
 use crate::metrics::Label;
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
-use crate::store::{ProbeClaim, StateStore};
+use crate::store::{ProbeClaim, StateStore, StoreBudget};
 use crate::upstream::AttemptError;
 
 pub const HEADER_BACKEND: &str = "x-spillgate-backend";
@@ -308,6 +308,7 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         low,
         est_tokens,
         strip_usage,
+        store_budget: StoreBudget::new(app.store.request_budget()),
     };
     let outcome = attempt_loop(&ctx).await;
     guard.answered = true;
@@ -461,6 +462,8 @@ struct Ctx<'a> {
     est_tokens: u64,
     /// The gateway added `include_usage`: remove the usage chunk on the way back.
     strip_usage: bool,
+    /// What this request may still wait on the shared store (probe claims).
+    store_budget: StoreBudget,
 }
 
 /// A model to try and the route that serves it: the requested model first, then the
@@ -553,13 +556,14 @@ const CLUSTER_PROBE_TTL: Duration = Duration::from_secs(30);
 /// With a shared store, makes the probe slots this instance took the cluster's too: one
 /// probe per recovering backend across every instance. `false` when another instance
 /// is probing (the backend is left alone for a moment). Without an answer in time the
-/// instance decides alone.
+/// instance decides alone, and so does the rest of the request (its store budget).
+/// `now` is read again after the call, which may have waited.
 async fn claim_cluster_probes(
     ctx: &Ctx<'_>,
     backend: &BackendRt,
     model: &str,
     probes: &mut Probes,
-    now: u64,
+    now: &mut u64,
 ) -> bool {
     let store = &ctx.app.store;
     if !store.shared() || (probes.resource.is_none() && probes.deployment.is_none()) {
@@ -574,7 +578,12 @@ async fn claim_cluster_probes(
     if probes.deployment.is_some() {
         wanted.push(Some(dep_name));
     }
-    match store.claim_probes(&backend.cfg.name, &wanted, ttl).await {
+    let claim = store
+        .claim_probes(&backend.cfg.name, &wanted, ttl, &ctx.store_budget)
+        .await;
+    *now = ctx.app.clock.now_ms();
+    let now = *now;
+    match claim {
         ProbeClaim::Local => true,
         ProbeClaim::Busy => {
             let until = now + millis(crate::store::REMOTE_PROBE_BUSY);
@@ -640,7 +649,7 @@ async fn select_backend<'s>(
     ctx: &Ctx<'s>,
     chain: &[Candidate<'_>],
     tried: &[(BackendId, &'s str)],
-    now: u64,
+    mut now: u64,
     rng: &mut fastrand::Rng,
 ) -> Option<Pick> {
     let backends = &ctx.snap.backends;
@@ -683,7 +692,10 @@ async fn select_backend<'s>(
                     busy.push(id);
                     continue;
                 };
-                if !claim_cluster_probes(ctx, &backends[id], c.model, &mut probes, now).await {
+                let claimed =
+                    claim_cluster_probes(ctx, &backends[id], c.model, &mut probes, &mut now).await;
+                // Busy elsewhere, or cooled by what arrived during the claim.
+                if !claimed || !backends[id].state.is_ready(now) || !dep.is_ready(now) {
                     busy.push(id);
                     continue;
                 }

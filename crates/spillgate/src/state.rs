@@ -18,29 +18,92 @@ use spillgate_core::outcome::{unix_ms, CoolReason, Cooldown};
 
 /// Wall-clock milliseconds derived from tokio's clock, so that paused-time tests move
 /// cooldowns forward together with `tokio::time`.
-#[derive(Debug, Clone, Copy)]
+///
+/// `now_ms` is the wall time taken at start plus the monotonic time since. Alone, that
+/// would keep any later step of the system clock (an NTP correction, a VM resumed from a
+/// pause) out of the gateway for good, and with it every deadline shared with other
+/// instances. A shared store therefore calls [`Clock::rebase`] on each poll; without one
+/// nothing else reads these deadlines and the clock is never re-based (paused-time tests
+/// stay deterministic).
+///
+/// A re-base follows a step forward at once: cooldowns running here end that much early,
+/// as they do on every instance whose clock was right. A step back is taken in slices, at
+/// most half the time since the previous re-base each (and never more than
+/// [`MAX_STEP_BACK_MS`]): the in-memory windows, budgets and deadlines never see time go
+/// back by more than that, and `now_ms` keeps moving forward, at least at half speed,
+/// until it agrees with the wall clock again. A running cooldown then lasts at most twice
+/// as long in real time, never indefinitely.
+#[derive(Debug)]
 pub struct Clock {
     base_instant: tokio::time::Instant,
-    base_unix_ms: u64,
+    /// Unix ms at `base_instant`, as of the last re-base.
+    base_unix_ms: AtomicU64,
+    /// When the last re-base ran (ms after `base_instant`).
+    rebased_at_ms: AtomicU64,
 }
+
+/// The most one re-base moves `now_ms` back.
+pub const MAX_STEP_BACK_MS: u64 = 5_000;
 
 impl Clock {
     pub fn new() -> Clock {
         Clock {
             base_instant: tokio::time::Instant::now(),
-            base_unix_ms: unix_ms(SystemTime::now()),
+            base_unix_ms: AtomicU64::new(unix_ms(SystemTime::now())),
+            rebased_at_ms: AtomicU64::new(0),
         }
     }
 
-    pub fn now_ms(&self) -> u64 {
+    fn elapsed_ms(&self) -> u64 {
         let elapsed = tokio::time::Instant::now().saturating_duration_since(self.base_instant);
+        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    pub fn now_ms(&self) -> u64 {
         self.base_unix_ms
-            .saturating_add(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
+            .load(Ordering::Relaxed)
+            .saturating_add(self.elapsed_ms())
     }
 
     /// The tokio instant at which unix time `ms` is reached.
     pub fn instant_at(&self, ms: u64) -> tokio::time::Instant {
-        self.base_instant + std::time::Duration::from_millis(ms.saturating_sub(self.base_unix_ms))
+        let base = self.base_unix_ms.load(Ordering::Relaxed);
+        self.base_instant + std::time::Duration::from_millis(ms.saturating_sub(base))
+    }
+
+    /// Brings `now_ms` back in line with the system clock (see the type's docs). Returns
+    /// how far it moved `now_ms` (negative: back).
+    pub fn rebase(&self) -> i64 {
+        self.rebase_to(unix_ms(SystemTime::now()))
+    }
+
+    /// Moves `now_ms` to `unix_ms` at once, as a clock step that happened since the
+    /// last re-base would look.
+    #[cfg(test)]
+    pub(crate) fn step_for_test(&self, unix_ms: u64) {
+        let base = unix_ms.saturating_sub(self.elapsed_ms());
+        self.base_unix_ms.store(base, Ordering::Relaxed);
+    }
+
+    /// [`Clock::rebase`] against a given wall time. Called by one task at a time.
+    pub fn rebase_to(&self, wall_ms: u64) -> i64 {
+        let elapsed = self.elapsed_ms();
+        let since_last =
+            elapsed.saturating_sub(self.rebased_at_ms.swap(elapsed, Ordering::Relaxed));
+        let target = wall_ms.saturating_sub(elapsed);
+        let current = self.base_unix_ms.load(Ordering::Relaxed);
+        let next = if target >= current {
+            target
+        } else {
+            let back = (current - target).min(since_last / 2).min(MAX_STEP_BACK_MS);
+            current - back
+        };
+        self.base_unix_ms.store(next, Ordering::Relaxed);
+        if next >= current {
+            i64::try_from(next - current).unwrap_or(i64::MAX)
+        } else {
+            -i64::try_from(current - next).unwrap_or(i64::MAX)
+        }
     }
 }
 
@@ -555,5 +618,49 @@ mod tests {
             c.instant_at(t0 + 5_000),
             c.base_instant + Duration::from_millis(5_000)
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_rebase_follows_a_step_forward_at_once_and_a_step_back_in_slices() {
+        let c = Clock::new();
+        let t0 = c.now_ms();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        // In step: nothing moves.
+        assert_eq!(c.rebase_to(t0 + 10_000), 0);
+        assert_eq!(c.now_ms(), t0 + 10_000);
+        // The system clock jumps 60 s ahead: followed at once.
+        assert_eq!(c.rebase_to(t0 + 70_000), 60_000);
+        assert_eq!(c.now_ms(), t0 + 70_000);
+        let deadline = c.now_ms() + 20_000;
+        assert_eq!(
+            c.instant_at(deadline),
+            tokio::time::Instant::now() + Duration::from_secs(20)
+        );
+        // Then 30 s back. Re-based every second, now_ms never goes back by more than half
+        // a second per re-base, keeps moving forward, and catches up with the wall clock.
+        let mut wall = t0 + 40_000;
+        let mut last = c.now_ms();
+        let mut seconds = 0;
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            wall += 1_000;
+            seconds += 1;
+            let before = c.now_ms();
+            let moved = c.rebase_to(wall);
+            let now = c.now_ms();
+            assert!((-500..=0).contains(&moved), "{moved}");
+            assert!(now >= last + 500, "now_ms keeps moving forward");
+            assert_eq!(now as i64, before as i64 + moved);
+            last = now;
+            if now == wall {
+                break;
+            }
+            assert!(seconds < 100, "never caught up");
+        }
+        assert_eq!(seconds, 60, "30 s absorbed at half speed");
+        // A re-base after a long quiet spell moves back at most MAX_STEP_BACK_MS.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        wall += 600_000;
+        assert_eq!(c.rebase_to(wall - 60_000), -(MAX_STEP_BACK_MS as i64));
     }
 }

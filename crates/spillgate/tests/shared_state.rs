@@ -74,12 +74,12 @@ fn config_with(
         "[server]\nlisten = \"127.0.0.1:0\"\n[auth]\nclient_keys = [\"env:CLIENT\"]\n[admin]\nenabled = false\n{extra}\n"
     );
     if let Some(url) = redis_url {
-        // A generous request-path timeout (the machine running the tests is shared),
-        // unless the test sets its own.
+        // The most request-path timeout a config may set (the machine running the tests
+        // is shared), unless the test sets its own.
         let timeout = if extra.contains("# default timeout") {
             String::new()
         } else {
-            "timeout = \"200ms\"\n".to_string()
+            "timeout = \"100ms\"\n".to_string()
         };
         text.push_str(&format!(
             "[state]\nredis_url = \"{url}\"\n{timeout}poll = \"200ms\"\n"
@@ -108,6 +108,16 @@ fn config_with(
 
 async fn gateway(config: spillgate_core::config::Config) -> Running {
     start(App::new(config).unwrap()).await.unwrap()
+}
+
+/// `config` with a request-path timeout beyond what a config file may set: for tests
+/// where a claim must not time out on a loaded machine, or must take a measurable time.
+fn with_timeout(
+    mut config: spillgate_core::config::Config,
+    timeout: Duration,
+) -> spillgate_core::config::Config {
+    config.state.as_mut().unwrap().timeout = timeout;
+    config
 }
 
 fn client() -> Client<HttpConnector, Full<Bytes>> {
@@ -220,6 +230,17 @@ async fn a_cooldown_seen_by_one_instance_spares_the_backend_on_another() {
     let st = b.app.store.status();
     assert!(st.received >= 1, "{st:?}");
     assert_eq!(st.rejected, 0, "{st:?}");
+    // The store's counts are Prometheus counters.
+    let metrics = b.app.metrics.render(&b.app);
+    assert!(
+        metrics.contains("# TYPE spillgate_state_store_operations counter"),
+        "{metrics}"
+    );
+    let received = format!(
+        "spillgate_state_store_operations_total{{store=\"redis\",kind=\"received\"}} {}",
+        st.received
+    );
+    assert!(metrics.contains(&received), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -272,11 +293,19 @@ async fn a_recovering_backend_gets_one_probe_across_instances() {
     let (x, y) = (mock("x").await, mock("y").await);
     let backends = [("x", 1), ("y", 2)];
     let extra = "[circuit_breaker]\nfailures = 1\nwindow = \"10s\"\ntrip = \"1s\"\ncondition = [\"500-599\"]\n[cooldown]\ndefault_5xx = \"1s\"\n";
-    let a = gateway(config(&backends, &[&x, &y], Some(&redis.url()), extra)).await;
+    // A claim that timed out would be decided locally (a second probe): 1 s is never
+    // reached, even on a loaded machine.
+    let cfg = || {
+        with_timeout(
+            config(&backends, &[&x, &y], Some(&redis.url()), extra),
+            Duration::from_secs(1),
+        )
+    };
+    let a = gateway(cfg()).await;
     // B serves its connections on per-core threads, as the binary does: its probe claims
     // run there, while its Redis connection lives on the main runtime.
     let b = spillgate::server::start_on(
-        App::new(config(&backends, &[&x, &y], Some(&redis.url()), extra)).unwrap(),
+        App::new(cfg()).unwrap(),
         Some(spillgate::server::ConnectionThreads::start(2).unwrap()),
     )
     .await
@@ -419,26 +448,56 @@ async fn values_in_redis_are_bounded_not_trusted() {
         mock("z").await,
         mock("w").await,
     ];
-    let backends = [("x", 1), ("y", 1), ("z", 2), ("w", 3)];
+    let backends = [("x", 1), ("y", 2), ("z", 3), ("w", 4)];
     let refs: Vec<&MockBackend> = mocks.iter().collect();
-    let extra = "[cooldown]\nmax = \"60s\"\n";
+    // Short cooldowns: the longest this config produces is 3 s (max, plus 1 s).
+    let extra = "[cooldown]\nmax = \"2s\"\ndefault_429 = \"1s\"\ndefault_5xx = \"1s\"\ndefault_connect = \"1s\"\nmax_jitter = \"0s\"\n";
     let a = gateway(config(&backends, &refs, Some(&redis.url()), extra)).await;
     let c = client();
     wait_connected(&[&a]).await;
+    let connected_at = Instant::now();
+    let longest = spillgate::store::longest_cooldown(&a.app.snapshot.load().config);
+    assert_eq!(longest, Duration::from_secs(3));
     wait_for(
         "the bad values are read and refused",
         Duration::from_secs(3),
-        || a.app.store.status().rejected >= 3 && cooling(&a, 0).is_some(),
+        || a.app.store.status().rejected >= 4,
     )
     .await;
+    // Ten years ahead is no cooldown any config here produces: not taken, not even cut
+    // to the longest one, and deleted, so it cannot keep x out at every poll.
+    assert!(cooling(&a, 0).is_none(), "a far-future deadline is refused");
+    let x_key = format!("spillgate:cool:x/{MODEL}");
+    wait_for_value(&redis, &x_key, Duration::from_secs(2), |v| {
+        v.starts_with("$-1")
+    })
+    .await;
+    wait_for_value(&redis, "spillgate:cool:y", Duration::from_secs(2), |v| {
+        v.starts_with("$-1")
+    })
+    .await;
+    // Once the longest real cooldown would have ended (and polls went by), x serves.
+    tokio::time::sleep(
+        (longest + Duration::from_millis(500)).saturating_sub(connected_at.elapsed()),
+    )
+    .await;
+    assert!(cooling(&a, 0).is_none());
+    let (status, h, _) = chat(&c, &a).await;
+    assert_eq!((status, served_by(&h)), (StatusCode::OK, "x"));
+    // Written again while the gateway runs: refused and deleted again.
+    let rejected = a.app.store.status().rejected;
+    let reply = redis
+        .command(&["SET", &x_key, &format!("{ten_years}:429")])
+        .await
+        .unwrap();
+    assert!(reply.starts_with("+OK"), "{reply}");
+    wait_for_value(&redis, &x_key, Duration::from_secs(2), |v| {
+        v.starts_with("$-1")
+    })
+    .await;
+    assert!(a.app.store.status().rejected > rejected);
+    assert!(cooling(&a, 0).is_none());
     let now = a.app.clock.now_ms();
-    let x = cooling(&a, 0).unwrap();
-    let longest = spillgate::store::longest_cooldown(&a.app.snapshot.load().config);
-    assert!(
-        x.until_ms <= now + longest.as_millis() as u64,
-        "ten years clamped to the longest configured cooldown ({longest:?}), got {} ms",
-        x.until_ms - now
-    );
     assert!(cooling(&a, 1).is_none(), "garbage is ignored");
     assert!(
         cooling(&a, 3).is_none(),
@@ -668,8 +727,10 @@ async fn a_gateway_starts_without_redis_and_connects_when_it_appears() {
     // What it learnt before is in Redis now.
     let key = format!("spillgate:cool:x/{MODEL}");
     let stored = wait_for_value(&redis, &key, Duration::from_secs(2), |v| v.contains(":429")).await;
-    // A second instance started now knows it before its first request, though it never
-    // served the model (no deployments map: it finds the deployment in Redis).
+    // A second instance started now (no deployments map) tracks no deployment before
+    // its requests name one: what Redis lists does not create local state. Its first
+    // request for the model starts tracking it, and the next poll reads the shared
+    // cooldown.
     let b = gateway(config_with(
         &backends,
         &[&x, &y],
@@ -679,10 +740,110 @@ async fn a_gateway_starts_without_redis_and_connects_when_it_appears() {
     ))
     .await;
     wait_connected(&[&b]).await;
-    assert!(cooling(&b, 0).is_some(), "read at connection: {stored}");
-    let (status, h, _) = chat(&c, &b).await;
+    let tracked = |gw: &Running| gw.app.snapshot.load().backends[0].deployments.all().len();
+    assert_eq!(tracked(&b), 0, "{stored}");
+    let (status, _, _) = chat(&c, &b).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(tracked(&b), 1);
+    let took = wait_for("B reads x's cooldown", Duration::from_secs(2), || {
+        cooling(&b, 0).is_some()
+    })
+    .await;
+    println!(
+        "a deployment B started tracking read its shared cooldown within {} ms",
+        took.as_millis()
+    );
+    let hits = x.hits();
+    for _ in 0..5 {
+        let (status, h, _) = chat(&c, &b).await;
+        assert_eq!((status, served_by(&h)), (StatusCode::OK, "y"));
+    }
+    assert_eq!(x.hits(), hits);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_redis_names_does_not_create_deployment_state() {
+    let redis = redis_or_skip!(RedisServer::start().await.unwrap());
+    let (x, y) = (mock("x").await, mock("y").await);
+    let backends = [("x", 1), ("y", 2)];
+    let until = spillgate_core::outcome::unix_ms(std::time::SystemTime::now()) + 20_000;
+    // 300 made-up deployments of x: cooldowns, capacity, and the list of deployments an
+    // earlier version kept.
+    for i in 0..300 {
+        for args in [
+            vec![
+                "SET".to_string(),
+                format!("spillgate:cool:x/made-up-{i}"),
+                format!("{until}:429"),
+            ],
+            vec![
+                "HSET".to_string(),
+                "spillgate:targets".to_string(),
+                format!("x/made-up-{i}"),
+                until.to_string(),
+            ],
+        ] {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            redis.command(&args).await.unwrap();
+        }
+    }
+    let a = gateway(config_with(
+        &backends,
+        &[&x, &y],
+        Some(&redis.url()),
+        "",
+        false,
+    ))
+    .await;
+    wait_connected(&[&a]).await;
+    // And their events, as if another instance sent them.
+    for i in 300..600 {
+        let event = format!("c someone x made-up-{i} {until}:429");
+        let reply = redis
+            .command(&["PUBLISH", "spillgate:events", &event])
+            .await
+            .unwrap();
+        assert!(reply.starts_with(":1"), "{reply}");
+    }
+    // Two polls later, still nothing tracked.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tracked = || {
+        a.app.snapshot.load().backends[0]
+            .deployments
+            .all()
+            .into_iter()
+            .map(|(d, _)| d)
+            .collect::<Vec<_>>()
+    };
+    let names = tracked();
+    assert!(
+        names.is_empty(),
+        "{} deployments tracked, e.g. {:?}",
+        names.len(),
+        names.first()
+    );
+    // The names requests bring are tracked as before, and take the shared state.
+    let c = client();
+    let (status, h, _) = chat(&c, &a).await;
+    assert_eq!((status, served_by(&h)), (StatusCode::OK, "x"));
+    assert_eq!(tracked(), [MODEL]);
+    let reply = redis
+        .command(&[
+            "SET",
+            &format!("spillgate:cool:x/{MODEL}"),
+            &format!("{until}:429"),
+        ])
+        .await
+        .unwrap();
+    assert!(reply.starts_with("+OK"), "{reply}");
+    wait_for(
+        "A reads the cooldown of a deployment it tracks",
+        Duration::from_secs(2),
+        || cooling(&a, 0).is_some(),
+    )
+    .await;
+    let (status, h, _) = chat(&c, &a).await;
     assert_eq!((status, served_by(&h)), (StatusCode::OK, "y"));
-    assert_eq!(x.hits(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -741,4 +902,108 @@ async fn a_redis_that_stops_answering_delays_no_request() {
     redis.resume().unwrap();
     let took = wait_connected(&[&a, &b]).await;
     println!("reconnected {} ms after Redis resumed", took.as_millis());
+}
+
+/// A TCP proxy to `target` that closes every connection `life` after accepting it;
+/// counts the connections it accepted.
+async fn dropping_proxy(target: u16, life: Duration) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                else {
+                    return;
+                };
+                let _ = tokio::time::timeout(
+                    life,
+                    tokio::io::copy_bidirectional(&mut inbound, &mut outbound),
+                )
+                .await;
+            });
+        }
+    });
+    (port, accepted)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_drops_every_connection_is_not_hammered() {
+    let redis = redis_or_skip!(RedisServer::start().await.unwrap());
+    // Every connection lives 300 ms: long enough to connect and re-sync, then it drops.
+    let (port, accepted) = dropping_proxy(redis.port(), Duration::from_millis(300)).await;
+    let (x, y) = (mock("x").await, mock("y").await);
+    let a = gateway(config(
+        &[("x", 1), ("y", 2)],
+        &[&x, &y],
+        Some(&format!("redis://127.0.0.1:{port}/0")),
+        "",
+    ))
+    .await;
+    wait_connected(&[&a]).await;
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Two connections (commands, events) per attempt. Reconnecting at once after each
+    // drop would make about 4 s / 300 ms = 13 attempts; backing off (100 ms, 200 ms,
+    // 400 ms, ... up to 2 s between them) makes about 5.
+    let attempts = accepted.load(std::sync::atomic::Ordering::Relaxed) / 2;
+    println!(
+        "connections dropping after 300 ms: {attempts} attempts in {} ms",
+        t0.elapsed().as_millis()
+    );
+    assert!(attempts >= 2, "it does reconnect");
+    assert!(attempts <= 8, "{attempts} attempts in 4 s");
+    // And it still serves.
+    let (status, _, _) = chat(&client(), &a).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_on_a_stalled_redis_once() {
+    let redis = redis_or_skip!(RedisServer::start().await.unwrap());
+    let (x, y, z) = (mock("x").await, mock("y").await, mock("z").await);
+    let backends = [("x", 1), ("y", 2), ("z", 3)];
+    let extra = "[circuit_breaker]\nfailures = 1\nwindow = \"10s\"\ntrip = \"1s\"\ncondition = [\"500-599\"]\n[cooldown]\ndefault_5xx = \"1s\"\n";
+    // A claim timeout long enough to measure how many a request waits for.
+    let timeout = Duration::from_millis(300);
+    let a = gateway(with_timeout(
+        config(&backends, &[&x, &y, &z], Some(&redis.url()), extra),
+        timeout,
+    ))
+    .await;
+    wait_connected(&[&a]).await;
+    let c = client();
+    // x and y trip on one request; z serves it.
+    x.push_script(vec![Reply::status(500)]);
+    y.push_script(vec![Reply::status(500)]);
+    let (status, h, _) = chat(&c, &a).await;
+    assert_eq!((status, served_by(&h)), (StatusCode::OK, "z"));
+    wait_for("the trips end", Duration::from_secs(5), || {
+        cooling(&a, 0).is_none() && cooling(&a, 1).is_none()
+    })
+    .await;
+    // Both recover: x's probe fails again, y's succeeds. With Redis stalled, the probe
+    // claim for x gets no answer within the timeout; the claim for y is then not even
+    // tried: the request decides locally.
+    x.push_script(vec![Reply::status(500)]);
+    redis.pause().unwrap();
+    let t0 = Instant::now();
+    let (status, h, _) = chat(&c, &a).await;
+    let took = t0.elapsed();
+    redis.resume().unwrap();
+    assert_eq!((status, served_by(&h)), (StatusCode::OK, "y"));
+    println!(
+        "a request meeting two recovering backends with Redis stalled took {} ms (claim timeout {} ms)",
+        took.as_millis(),
+        timeout.as_millis()
+    );
+    assert!(took >= timeout, "{took:?}");
+    assert!(
+        took < 2 * timeout,
+        "waited on Redis more than once: {took:?}"
+    );
+    assert_eq!(a.app.store.status().local_decisions, 2);
 }

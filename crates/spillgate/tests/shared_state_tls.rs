@@ -151,7 +151,7 @@ async fn instances_share_state_over_tls_with_a_password() {
     );
     let text = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\n[auth]\nclient_keys = [\"env:CLIENT\"]\n[admin]\nenabled = false\n\
-         [state]\nredis_url = \"rediss://127.0.0.1:{port}/0\"\npassword = \"env:REDIS_PASSWORD\"\ntimeout = \"200ms\"\n\
+         [state]\nredis_url = \"rediss://127.0.0.1:{port}/0\"\npassword = \"env:REDIS_PASSWORD\"\ntimeout = \"100ms\"\n\
          [[backends]]\nname = \"x\"\nkind = \"azure\"\nurl = \"{}\"\npriority = 1\napi_key = \"env:K\"\ndeployments = {{ \"gpt-4o\" = \"gpt-4o\" }}\n\
          [[backends]]\nname = \"y\"\nkind = \"azure\"\nurl = \"{}\"\npriority = 2\napi_key = \"env:K\"\n",
         x.url(),

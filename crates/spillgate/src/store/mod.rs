@@ -12,11 +12,13 @@
 //!   write into the local view as their events arrive, re-reading everything every
 //!   `state.poll` in case an event was lost. The one decision made cluster-wide on the
 //!   request path is who probes a recovering backend: one Redis call, bounded by
-//!   `state.timeout` (a few milliseconds); past it, or without Redis, the instance
-//!   decides alone, as a single instance would.
+//!   `state.timeout` (a few milliseconds) for all of a request's claims together; past
+//!   it, after a claim that got no answer, or without Redis, the request decides alone,
+//!   as a single instance would.
 
 mod redis;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,6 +46,42 @@ pub enum ProbeClaim {
     Local,
 }
 
+/// What one request may still spend waiting on the shared store: `state.timeout` for all
+/// its probe claims together (a request may meet several recovering backends, and retry),
+/// and nothing more once a claim got no shared answer. Then the rest of the request
+/// decides locally instead of waiting on a slow Redis again.
+#[derive(Debug)]
+pub struct StoreBudget {
+    left_us: AtomicU64,
+}
+
+impl StoreBudget {
+    pub fn new(total: Duration) -> StoreBudget {
+        StoreBudget {
+            left_us: AtomicU64::new(u64::try_from(total.as_micros()).unwrap_or(u64::MAX)),
+        }
+    }
+
+    pub fn left(&self) -> Duration {
+        Duration::from_micros(self.left_us.load(Ordering::Relaxed))
+    }
+
+    /// Takes `d` off what is left.
+    pub fn spend(&self, d: Duration) {
+        let d = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let _ = self
+            .left_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
+                Some(l.saturating_sub(d))
+            });
+    }
+
+    /// Nothing more for this request.
+    pub fn exhaust(&self) {
+        self.left_us.store(0, Ordering::Relaxed);
+    }
+}
+
 /// How the store is doing, for `/readyz`, `/admin/state` and `/metrics`.
 #[derive(Debug, Clone, Default)]
 pub struct StoreStatus {
@@ -62,13 +100,14 @@ pub struct StoreStatus {
     pub sent: u64,
     /// Updates from other instances that changed the local view.
     pub received: u64,
-    /// Values read from the store that were refused or clamped.
+    /// Values read from the store that were refused.
     pub rejected: u64,
     /// Store operations that failed.
     pub errors: u64,
     /// Observations not written because the write queue was full.
     pub dropped: u64,
-    /// Probe claims decided locally because the store did not answer in time.
+    /// Probe claims decided locally: the store was unreachable, did not answer in time, or
+    /// the request had spent its time on it.
     pub local_decisions: u64,
 }
 
@@ -118,13 +157,20 @@ pub trait StateStore: Send + Sync {
     /// This instance took in a deployment's rate-limit headers.
     fn capacity_observed(&self, _backend: &str, _deployment: &str, _state: &BackendState) {}
 
+    /// What one request may spend waiting on this store (see [`StoreBudget`]).
+    fn request_budget(&self) -> Duration {
+        Duration::ZERO
+    }
+
     /// Asks, in one step, for the cluster's probe slots of a recovering backend (`None`)
-    /// and/or deployments, each for at most `ttl`: all of them or none.
+    /// and/or deployments, each for at most `ttl`: all of them or none. Waits at most what
+    /// is left of the request's `budget`, and takes the wait off it.
     async fn claim_probes(
         &self,
         _backend: &str,
         _targets: &[Option<&str>],
         _ttl: Duration,
+        _budget: &StoreBudget,
     ) -> ProbeClaim {
         ProbeClaim::Local
     }
@@ -159,7 +205,7 @@ pub fn from_config(config: &spillgate_core::config::Config) -> anyhow::Result<Ar
 }
 
 /// The longest cooldown `config` can produce: the bound for deadlines read from a shared
-/// store (anything later is clamped to it).
+/// store (anything later, past the clock skew allowed between instances, is refused).
 pub fn longest_cooldown(config: &spillgate_core::config::Config) -> Duration {
     let c = &config.cooldown;
     let mut longest = c

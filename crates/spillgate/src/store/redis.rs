@@ -9,7 +9,6 @@
 //! | `{prefix}:cap:{target}` | `{observed_ms};{tokens};{requests}` | the capacity script: the newest observation wins |
 //! | `{prefix}:probe:{target}` | a probe token, or `recovered` | the probe scripts: `SET NX PX` semantics |
 //! | `{prefix}:budget:{route}` | hash: instance id → `{requests}:{retries}:{at_ms}` | the budget script |
-//! | `{prefix}:targets` | hash: `backend/deployment` → last write (unix ms) | the cooldown and capacity scripts |
 //! | `{prefix}:events` | pub/sub channel | the scripts above, in the same atomic step |
 //!
 //! One background task owns the connection. It connects (and reconnects, with backoff),
@@ -20,7 +19,12 @@
 //! state is re-read every `state.poll`. The request path never waits on this task:
 //! observations go into a coalescing queue (one pending write per key; a full queue
 //! drops, never blocks), and the only Redis call a request makes, the probe claim, has
-//! its own timeout of a few milliseconds.
+//! its own timeout of a few milliseconds (`state.timeout`, for all of a request's
+//! claims together).
+//!
+//! What is read from Redis only ever updates state this instance has: the backends of its
+//! config and the deployments its config or its own requests named. A deployment a
+//! request names for the first time reads the shared value at the next poll.
 //!
 //! The connection is supervised here rather than by the client library's connection
 //! manager, because the gateway must know when the link goes and comes back: to log it
@@ -40,7 +44,7 @@ use spillgate_core::outcome::Cooldown;
 use spillgate_core::shared::{self, BudgetShare, Event, SharedCapacity, Target};
 use tokio::sync::Notify;
 
-use super::{ProbeClaim, StateStore, StoreStatus};
+use super::{ProbeClaim, StateStore, StoreBudget, StoreStatus};
 use crate::app::App;
 use crate::state::BackendState;
 
@@ -59,13 +63,6 @@ const MAX_PENDING: usize = 4096;
 /// Capacity observations expire from Redis after this (they are stale long before).
 const CAPACITY_TTL_MS: u64 = 600_000;
 
-/// Deployments not written for this long leave the targets hash; the hash itself expires
-/// this long after the last write.
-const TARGETS_TTL_MS: u64 = 3_600_000;
-
-/// Most listed deployments taken in per poll.
-const MAX_TARGETS: usize = 4096;
-
 /// How long a successful probe's `recovered` mark stays, for instances that missed the
 /// event.
 const RECOVERED_MARK_MS: u64 = 10_000;
@@ -78,9 +75,9 @@ const INVALID_WARN_EVERY_MS: u64 = 60_000;
 
 /// Records a cooldown; the later deadline wins. A stored deadline that is over, or later
 /// than any configurable cooldown, or not a deadline at all, does not block a real one.
-/// A new cooldown also ends the `recovered` mark (or a stale probe) of its target, and a
-/// deployment is listed in the targets hash, so instances that have not served it yet
-/// (a backend without a `deployments` map) read it too.
+/// A new cooldown also ends the `recovered` mark (or a stale probe) of its target. The
+/// script touches no key but its own two before it publishes, so a wrong-typed key
+/// elsewhere cannot keep the event from going out.
 const COOL_SCRIPT: &str = r"
 local new = tonumber(ARGV[1])
 local now = tonumber(ARGV[4])
@@ -93,16 +90,12 @@ if type(cur) == 'string' then
 end
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2], 'PX', ARGV[3])
 redis.call('DEL', KEYS[2])
-if ARGV[8] ~= '' then
-  redis.call('HSET', KEYS[3], ARGV[8], ARGV[4])
-  redis.call('PEXPIRE', KEYS[3], ARGV[9])
-end
 redis.call('PUBLISH', ARGV[6], ARGV[7])
 return 1
 ";
 
 /// Records a capacity observation unless a newer one is stored (one dated far in the
-/// future is garbage and replaced), and lists the deployment in the targets hash.
+/// future is garbage and replaced).
 const CAPACITY_SCRIPT: &str = r"
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'string' then
@@ -112,8 +105,6 @@ if type(cur) == 'string' then
   end
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[7], ARGV[4])
-redis.call('PEXPIRE', KEYS[2], ARGV[8])
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
 ";
@@ -146,7 +137,8 @@ end
 return codes
 ";
 
-/// Gives a probe slot back, if it is still ours.
+/// Deletes KEYS[1] if it still holds ARGV[1]: a probe slot given back if it is still
+/// ours, a refused value unless something else was written meanwhile.
 const RELEASE_SCRIPT: &str = r"
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
@@ -155,13 +147,14 @@ end
 return 0
 ";
 
-/// A probe succeeded: marks the target recovered (unless another instance holds a newer
-/// probe) and tells everyone.
+/// A probe succeeded: marks the target recovered and tells everyone, if the slot is still
+/// this probe's. A cooldown since (from any instance) deleted it, and a newer probe may
+/// hold it: then the probe's answer is out of date and nothing is marked.
 const RECOVERED_SCRIPT: &str = r"
-local cur = redis.pcall('GET', KEYS[1])
-if cur == ARGV[1] or type(cur) ~= 'string' then
-  redis.call('SET', KEYS[1], 'recovered', 'PX', ARGV[2])
+if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
 end
+redis.call('SET', KEYS[1], 'recovered', 'PX', ARGV[2])
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return 1
 ";
@@ -231,12 +224,14 @@ enum ProbeOp {
 }
 
 /// Writes waiting for the background task, one per key: a newer observation of the same
-/// key replaces (or merges into) the pending one.
+/// key replaces (or merges into) the pending one. Probe outcomes are kept per slot and
+/// token: each script acts only on its own token, so outcomes of different probes never
+/// replace one another.
 #[derive(Default)]
 struct Pending {
     cooldowns: HashMap<Target, Cooldown>,
     capacity: HashMap<Target, SharedCapacity>,
-    probes: HashMap<Target, ProbeOp>,
+    probes: HashMap<(Target, String), ProbeOp>,
 }
 
 impl Pending {
@@ -300,18 +295,18 @@ impl WriteQueue {
 
     fn probe(&self, t: Target, op: ProbeOp) {
         self.push(|p| {
-            // A recovery implies the release of the same slot: it is not undone by it.
-            if let (Some(ProbeOp::Recovered(pending)), ProbeOp::Release(token)) =
-                (p.probes.get(&t), &op)
-            {
-                if pending == token {
-                    return true;
-                }
+            let token = match &op {
+                ProbeOp::Release(k) | ProbeOp::Recovered(k) => k.clone(),
+            };
+            let key = (t, token);
+            match p.probes.get(&key) {
+                // A recovery implies the release of the same slot: it is not undone by it.
+                Some(ProbeOp::Recovered(_)) => return true,
+                Some(ProbeOp::Release(_)) => {}
+                None if p.probes.len() >= MAX_PENDING => return false,
+                None => {}
             }
-            if p.probes.len() >= MAX_PENDING && !p.probes.contains_key(&t) {
-                return false;
-            }
-            p.probes.insert(t, op);
+            p.probes.insert(key, op);
             true
         });
     }
@@ -370,6 +365,7 @@ struct Stats {
     local_decisions: AtomicU64,
     last_invalid_warn_ms: AtomicU64,
     last_error_warn_ms: AtomicU64,
+    last_claim_warn_ms: AtomicU64,
 }
 
 /// Whether a warning last given at `last` (unix ms) may be given again now; claims the
@@ -423,10 +419,48 @@ fn is_link_error(e: &redis::RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal()
 }
 
-/// The wait before the next connection attempt: doubling, at most `RECONNECT_MAX`, so
-/// Redis is found again within about two seconds of coming back.
-fn next_delay(d: Duration) -> Duration {
-    (d * 2).clamp(RECONNECT_MIN, RECONNECT_MAX)
+/// How long a connection must stay up before the reconnection backoff starts over from
+/// `RECONNECT_MIN`. A Redis that accepts connections and drops them at once (a proxy
+/// whose server is gone, a server refusing clients) is then not hammered with
+/// reconnections and full re-syncs.
+const STABLE_AFTER: Duration = Duration::from_secs(10);
+
+/// The waits between connection attempts: doubling, at most `RECONNECT_MAX`, so Redis is
+/// found again within about two seconds of coming back.
+#[derive(Debug)]
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff {
+            next: RECONNECT_MIN,
+        }
+    }
+
+    /// The wait before the next attempt, after one that failed (`up: None`) or after a
+    /// connection that was lost after being up for `up`. Only a connection that stayed up
+    /// for `STABLE_AFTER` starts the backoff over (and is retried at once).
+    fn wait(&mut self, up: Option<Duration>) -> Duration {
+        if up.is_some_and(|u| u >= STABLE_AFTER) {
+            self.next = RECONNECT_MIN;
+            return Duration::ZERO;
+        }
+        let d = self.next;
+        self.next = (d * 2).clamp(RECONNECT_MIN, RECONNECT_MAX);
+        d
+    }
+}
+
+/// Sleeps `d` plus up to a quarter of it, so instances that lost Redis together do not
+/// come back in step.
+async fn sleep_jittered(d: Duration) {
+    if d.is_zero() {
+        return;
+    }
+    let jitter = fastrand::u64(0..=millis(d) / 4);
+    tokio::time::sleep(d + Duration::from_millis(jitter)).await;
 }
 
 fn now_unix_ms() -> u64 {
@@ -461,10 +495,6 @@ impl RedisStore {
         format!("{}:{kind}:{}", self.cfg.prefix, t.path())
     }
 
-    fn targets_key(&self) -> String {
-        format!("{}:targets", self.cfg.prefix)
-    }
-
     fn connected(&self) -> bool {
         self.synced.load(Ordering::Acquire)
     }
@@ -480,7 +510,7 @@ impl RedisStore {
         }
     }
 
-    /// A value read from Redis was refused or clamped: counted, and logged at most once a
+    /// A value read from Redis was refused: counted, and logged at most once a
     /// minute (a corrupted key is read every poll).
     fn invalid(&self, key: &str, why: &str) {
         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
@@ -535,7 +565,7 @@ impl RedisStore {
     /// The connection's whole life: connect, re-sync, serve, and again when it is lost.
     async fn supervise(self: Arc<Self>, app: Weak<App>) {
         let url = self.cfg.display_url();
-        let mut delay = RECONNECT_MIN;
+        let mut backoff = Backoff::new();
         // Whether the current outage was reported (one warning per outage).
         let mut reported = false;
         let mut ever = false;
@@ -554,13 +584,11 @@ impl RedisStore {
                         tracing::debug!(redis = %url, error = %e, "Redis still unreachable");
                     }
                     self.set_link(None, Some(e));
-                    let jitter = fastrand::u64(0..=millis(delay) / 4);
-                    tokio::time::sleep(delay + Duration::from_millis(jitter)).await;
-                    delay = next_delay(delay);
+                    sleep_jittered(backoff.wait(None)).await;
                     continue;
                 }
             };
-            delay = RECONNECT_MIN;
+            let up_since = tokio::time::Instant::now();
             self.conn.store(Some(Arc::new(conn.clone())));
             let resync = match app.upgrade() {
                 Some(a) => self.resync(&a, conn.clone()).await,
@@ -595,6 +623,7 @@ impl RedisStore {
                     if let Some(a) = app.upgrade() {
                         forget_remote_budgets(&a);
                     }
+                    sleep_jittered(backoff.wait(Some(up_since.elapsed()))).await;
                 }
             }
         }
@@ -604,6 +633,7 @@ impl RedisStore {
     /// (what it learnt while Redis was away, or everything after Redis lost its data),
     /// then reads back what the others know.
     async fn resync(&self, app: &Arc<App>, mut conn: MultiplexedConnection) -> Result<(), String> {
+        self.rebase_clock(app);
         let snap = app.snapshot.load_full();
         let now = app.clock.now_ms();
         for (target, state) in targets(&snap) {
@@ -684,14 +714,62 @@ impl RedisStore {
         }
     }
 
-    /// Writes what requests queued.
+    /// Brings the clock in line with the system clock before shared deadlines are read or
+    /// written (see `Clock`): a step of the system clock after start would otherwise skew
+    /// every deadline this instance shares.
+    fn rebase_clock(&self, app: &App) {
+        let moved = app.clock.rebase();
+        if moved.unsigned_abs() >= 1_000 {
+            tracing::info!(
+                moved_ms = moved,
+                "the system clock was stepped; shared deadlines follow it"
+            );
+        }
+    }
+
+    /// Writes what requests queued. Probe outcomes go first: a cooldown queued with them
+    /// is newer than the probe's answer, or at least not older, and must end any
+    /// `recovered` mark the probe leaves.
     async fn flush(&self, app: &Arc<App>, conn: &mut MultiplexedConnection) -> Result<(), String> {
         let pending = self.queue.take();
         if pending.is_empty() {
             return Ok(());
         }
+        for ((target, _), op) in pending.probes {
+            let key = self.key("probe", &target);
+            match op {
+                ProbeOp::Release(token) => {
+                    let _: Option<i64> = self
+                        .op(
+                            "probe release",
+                            self.scripts.release.key(key).arg(token).invoke_async(conn),
+                        )
+                        .await?;
+                }
+                ProbeOp::Recovered(token) => {
+                    let event =
+                        shared::encode_event(&self.instance, &Event::Recovered(target.clone()));
+                    let marked: Option<i64> = self
+                        .op(
+                            "probe recovered",
+                            self.scripts
+                                .recovered
+                                .key(key)
+                                .arg(token)
+                                .arg(RECOVERED_MARK_MS)
+                                .arg(&self.channel)
+                                .arg(event)
+                                .invoke_async(conn),
+                        )
+                        .await?;
+                    if marked == Some(1) {
+                        self.stats.sent.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
         let now = app.clock.now_ms();
-        let longest = millis(crate::store::longest_cooldown(&app.snapshot.load().config));
+        let max_ahead = max_ahead_ms(&app.snapshot.load().config);
         for (target, c) in pending.cooldowns {
             if c.until_ms <= now {
                 continue;
@@ -708,20 +786,13 @@ impl RedisStore {
                         .cool
                         .key(self.key("cool", &target))
                         .key(self.key("probe", &target))
-                        .key(self.targets_key())
                         .arg(c.until_ms)
                         .arg(c.reason.as_str())
                         .arg(ttl)
                         .arg(now)
-                        .arg(longest)
+                        .arg(max_ahead.saturating_add(shared::MAX_SKEW_MS))
                         .arg(&self.channel)
                         .arg(event)
-                        .arg(if target.deployment.is_some() {
-                            target.path()
-                        } else {
-                            String::new()
-                        })
-                        .arg(TARGETS_TTL_MS)
                         .invoke_async(conn),
                 )
                 .await?;
@@ -741,15 +812,12 @@ impl RedisStore {
                     self.scripts
                         .capacity
                         .key(self.key("cap", &target))
-                        .key(self.targets_key())
                         .arg(c.observed_ms)
                         .arg(value)
                         .arg(CAPACITY_TTL_MS)
                         .arg(now)
                         .arg(&self.channel)
                         .arg(event)
-                        .arg(target.path())
-                        .arg(TARGETS_TTL_MS)
                         .invoke_async(conn),
                 )
                 .await?;
@@ -757,45 +825,15 @@ impl RedisStore {
                 self.stats.sent.fetch_add(1, Ordering::Relaxed);
             }
         }
-        for (target, op) in pending.probes {
-            let key = self.key("probe", &target);
-            match op {
-                ProbeOp::Release(token) => {
-                    let _: Option<i64> = self
-                        .op(
-                            "probe release",
-                            self.scripts.release.key(key).arg(token).invoke_async(conn),
-                        )
-                        .await?;
-                }
-                ProbeOp::Recovered(token) => {
-                    let event =
-                        shared::encode_event(&self.instance, &Event::Recovered(target.clone()));
-                    let _: Option<i64> = self
-                        .op(
-                            "probe recovered",
-                            self.scripts
-                                .recovered
-                                .key(key)
-                                .arg(token)
-                                .arg(RECOVERED_MARK_MS)
-                                .arg(&self.channel)
-                                .arg(event)
-                                .invoke_async(conn),
-                        )
-                        .await?;
-                    self.stats.sent.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
         Ok(())
     }
 
-    /// Reads every shared cooldown and capacity of the running config's backends into the
-    /// local view, and trades retry-budget shares.
+    /// Reads the shared cooldown and capacity of every state this instance has (its
+    /// config's backends, the deployments it tracks) into the local view, deletes
+    /// cooldowns no config produces, and trades retry-budget shares.
     async fn poll(&self, app: &Arc<App>, conn: &mut MultiplexedConnection) -> Result<(), String> {
+        self.rebase_clock(app);
         let snap = app.snapshot.load_full();
-        self.discover(app, &snap, conn).await?;
         let targets = targets(&snap);
         if !targets.is_empty() {
             let mut cmd = redis::cmd("MGET");
@@ -809,17 +847,36 @@ impl RedisStore {
                 self.op("read", cmd.query_async(conn)).await?;
             let values = values.unwrap_or_default();
             let now = app.clock.now_ms();
-            let longest = millis(crate::store::longest_cooldown(&snap.config));
+            let max_ahead = max_ahead_ms(&snap.config);
             let (cools, caps) = values.split_at(values.len().min(targets.len()));
+            let mut refused = Vec::new();
             for ((t, state), v) in targets.iter().zip(cools) {
                 if let Some(v) = v {
-                    self.apply_cooldown(&self.key("cool", t), state, v, now, longest);
+                    let key = self.key("cool", t);
+                    if !self.apply_cooldown(&key, state, v, now, max_ahead) {
+                        refused.push((key, v));
+                    }
                 }
             }
             for ((t, state), v) in targets.iter().zip(caps) {
                 if let (Some(v), Some(_)) = (v, &t.deployment) {
                     self.apply_capacity(&self.key("cap", t), state, v, now);
                 }
+            }
+            // A refused deadline would be read (and refused) again at every poll, and a
+            // far-future one would stay until it expired, if ever: gone, unless a real
+            // cooldown replaced it meanwhile.
+            for (key, v) in refused {
+                let _: Option<i64> = self
+                    .op(
+                        "delete refused",
+                        self.scripts
+                            .release
+                            .key(key)
+                            .arg(v.as_slice())
+                            .invoke_async(conn),
+                    )
+                    .await?;
             }
         }
         // Retry budgets: this instance's counts out, the others' in.
@@ -870,73 +927,32 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Starts tracking the deployments other instances wrote about that this one has not
-    /// served yet (only those its config serves), so the poll reads them too. Entries not
-    /// written for an hour are dropped.
-    async fn discover(
+    /// Merges a shared cooldown into `state`. `false` when the value was refused (not a
+    /// cooldown, or a deadline further ahead than any configured cooldown).
+    fn apply_cooldown(
         &self,
-        app: &Arc<App>,
-        snap: &crate::app::Snapshot,
-        conn: &mut MultiplexedConnection,
-    ) -> Result<(), String> {
-        let key = self.targets_key();
-        // A flat field, value, field, value... list.
-        let listed: Option<Vec<Vec<u8>>> = self
-            .op("targets", redis::cmd("HGETALL").arg(&key).query_async(conn))
-            .await?;
-        let listed = listed.unwrap_or_default();
-        let now = app.clock.now_ms();
-        let mut stale: Vec<&[u8]> = Vec::new();
-        for pair in listed.chunks_exact(2).take(MAX_TARGETS) {
-            let (field, at) = (pair[0].as_slice(), pair[1].as_slice());
-            let target = std::str::from_utf8(field).ok().and_then(Target::from_path);
-            let at = std::str::from_utf8(at)
-                .ok()
-                .and_then(|a| a.parse::<u64>().ok());
-            match (target, at) {
-                (Some(t), Some(at)) if now.saturating_sub(at) <= TARGETS_TTL_MS => {
-                    if t.deployment.is_some() {
-                        // Creates the deployment's state when the config serves it.
-                        let _ = state_of(snap, &t);
-                    }
-                }
-                (Some(_), Some(_)) => stale.push(field),
-                _ => {
-                    self.invalid(&key, "not a backend/deployment entry");
-                    stale.push(field);
-                }
-            }
-        }
-        if !stale.is_empty() {
-            let _: Option<i64> = self
-                .op(
-                    "targets",
-                    redis::cmd("HDEL").arg(&key).arg(stale).query_async(conn),
-                )
-                .await?;
-        }
-        Ok(())
-    }
-
-    fn apply_cooldown(&self, key: &str, state: &BackendState, v: &[u8], now: u64, longest: u64) {
+        key: &str,
+        state: &BackendState,
+        v: &[u8],
+        now: u64,
+        max_ahead: u64,
+    ) -> bool {
         let Ok(text) = std::str::from_utf8(v) else {
             self.invalid(key, "not text");
-            return;
+            return false;
         };
-        match shared::decode_cooldown(text, now, longest) {
-            Ok(Some(read)) => {
-                if read.clamped {
-                    self.invalid(
-                        key,
-                        "deadline beyond the longest configured cooldown; clamped",
-                    );
-                }
-                if state.cool_at(read.cooldown, now).extended {
+        match shared::decode_cooldown(text, now, max_ahead) {
+            Ok(Some(c)) => {
+                if state.cool_at(c, now).extended {
                     self.stats.received.fetch_add(1, Ordering::Relaxed);
                 }
+                true
             }
-            Ok(None) => {}
-            Err(e) => self.invalid(key, &e.0),
+            Ok(None) => true,
+            Err(e) => {
+                self.invalid(key, &e.0);
+                false
+            }
         }
     }
 
@@ -984,8 +1000,8 @@ impl RedisStore {
         let now = app.clock.now_ms();
         match &event {
             Event::Cooled(_, v) => {
-                let longest = millis(crate::store::longest_cooldown(&snap.config));
-                self.apply_cooldown(channel, &state, v.as_bytes(), now, longest);
+                let max_ahead = max_ahead_ms(&snap.config);
+                self.apply_cooldown(channel, &state, v.as_bytes(), now, max_ahead);
             }
             Event::Capacity(_, v) => self.apply_capacity(channel, &state, v.as_bytes(), now),
             Event::Recovered(_) => {
@@ -1051,6 +1067,11 @@ pub async fn ping(cfg: &RedisConfig) -> Result<String, String> {
     Ok(version)
 }
 
+/// How far ahead a shared deadline may be: the longest cooldown `config` produces.
+fn max_ahead_ms(config: &spillgate_core::config::Config) -> u64 {
+    millis(crate::store::longest_cooldown(config))
+}
+
 /// Every state of `snap` that is shared: each backend as a whole and each deployment it
 /// tracks.
 fn targets(snap: &crate::app::Snapshot) -> Vec<(Target, Arc<BackendState>)> {
@@ -1076,21 +1097,15 @@ fn targets(snap: &crate::app::Snapshot) -> Vec<(Target, Arc<BackendState>)> {
     out
 }
 
-/// The local state an event's target names, if this config has it. A deployment is
-/// taken only when the backend serves it (any name, for a backend without a map: the
-/// same bounded set of names requests can create).
+/// The local state an event's target names, if this instance has it. Never creates one:
+/// what other instances (or anyone with access to Redis) say cannot fill this instance's
+/// bounded set of tracked deployments; a deployment this instance starts tracking later
+/// reads the shared value at the next poll.
 fn state_of(snap: &crate::app::Snapshot, t: &Target) -> Option<Arc<BackendState>> {
     let b = snap.backends.iter().find(|b| *b.cfg.name == *t.backend)?;
     match &t.deployment {
         None => Some(Arc::clone(&b.state)),
-        Some(d) => {
-            let served = b
-                .cfg
-                .deployments
-                .as_ref()
-                .is_none_or(|m| m.values().any(|v| v == d));
-            served.then(|| b.deployments.get(d))
-        }
+        Some(d) => b.deployments.find(d),
     }
 }
 
@@ -1148,14 +1163,26 @@ impl StateStore for RedisStore {
         }
     }
 
+    fn request_budget(&self) -> Duration {
+        self.cfg.timeout
+    }
+
     async fn claim_probes(
         &self,
         backend: &str,
         wanted: &[Option<&str>],
         ttl: Duration,
+        budget: &StoreBudget,
     ) -> ProbeClaim {
-        let Some(conn) = self.conn.load_full() else {
-            return ProbeClaim::Local;
+        let limit = budget.left();
+        let conn = match self.conn.load_full() {
+            Some(c) if !limit.is_zero() => c,
+            _ => {
+                // Redis is unreachable, or this request already waited its share on it.
+                budget.exhaust();
+                self.stats.local_decisions.fetch_add(1, Ordering::Relaxed);
+                return ProbeClaim::Local;
+            }
         };
         let mut conn = (*conn).clone();
         let targets: Vec<Target> = wanted
@@ -1176,11 +1203,10 @@ impl StateStore for RedisStore {
             claim.key(self.key("probe", t));
         }
         claim.arg(&token).arg(ttl_ms).arg(PROBE_KEY_MAX_MS);
-        let answer = tokio::time::timeout(
-            self.cfg.timeout,
-            claim.invoke_async::<redis::Value>(&mut conn),
-        )
-        .await;
+        let started = tokio::time::Instant::now();
+        let answer =
+            tokio::time::timeout(limit, claim.invoke_async::<redis::Value>(&mut conn)).await;
+        budget.spend(started.elapsed());
         let codes: Option<Vec<i64>> = match answer {
             Ok(Ok(redis::Value::Int(0))) => return ProbeClaim::Busy,
             Ok(Ok(v)) => redis::from_redis_value(v).ok(),
@@ -1192,6 +1218,17 @@ impl StateStore for RedisStore {
                 // The claim may still land: give the slots back, so they are not held.
                 for t in &targets {
                     self.queue.probe(t.clone(), ProbeOp::Release(token.clone()));
+                }
+                // Connected, yet no answer within the whole `state.timeout`: while Redis
+                // stays this slow, every instance probes recovering backends on its own.
+                if limit >= self.cfg.timeout
+                    && self.connected()
+                    && warn_slot(&self.stats.last_claim_warn_ms, now_unix_ms())
+                {
+                    tracing::warn!(
+                        timeout = ?self.cfg.timeout,
+                        "a probe claim got no answer from Redis within state.timeout: recovering backends are probed by each instance on its own while Redis is this slow (shown once a minute)"
+                    );
                 }
                 None
             }
@@ -1212,6 +1249,8 @@ impl StateStore for RedisStore {
                     .collect(),
             ),
             _ => {
+                // No shared answer: the rest of this request decides locally.
+                budget.exhaust();
                 self.stats.local_decisions.fetch_add(1, Ordering::Relaxed);
                 ProbeClaim::Local
             }
@@ -1281,27 +1320,43 @@ mod tests {
         p.recovered();
         drop(p);
         q.probe(t("a", None), ProbeOp::Release("tok".into()));
+        // Nor by the release of another probe's slot (a claim that timed out, say): each
+        // outcome stays, and each script acts on its own token only.
+        q.probe(t("a", None), ProbeOp::Release("other".into()));
         let pending = q.take();
         assert_eq!(pending.cooldowns.len(), 2);
         assert_eq!(pending.cooldowns[&t("a", None)].until_ms, 200);
         assert_eq!(pending.capacity[&t("a", Some("d"))].observed_ms, 5);
+        assert_eq!(pending.probes.len(), 2);
         assert_eq!(
-            pending.probes[&t("a", None)],
+            pending.probes[&(t("a", None), "tok".to_string())],
             ProbeOp::Recovered("tok".into())
+        );
+        assert_eq!(
+            pending.probes[&(t("a", None), "other".to_string())],
+            ProbeOp::Release("other".into())
         );
         assert!(q.take().is_empty());
     }
 
     #[test]
     fn reconnection_backs_off_to_two_seconds_and_warnings_are_rate_limited() {
-        let mut d = RECONNECT_MIN;
-        let mut seq = vec![d];
-        for _ in 0..8 {
-            d = next_delay(d);
-            seq.push(d);
-        }
-        let ms: Vec<u64> = seq.iter().map(|d| millis(*d)).collect();
+        let mut b = Backoff::new();
+        let ms: Vec<u64> = (0..9).map(|_| millis(b.wait(None))).collect();
         assert_eq!(ms, [100, 200, 400, 800, 1600, 2000, 2000, 2000, 2000]);
+        // A connection that drops soon after it came up does not start the backoff over
+        // (a Redis that accepts and drops at once is not retried every 100 ms).
+        let mut b = Backoff::new();
+        let up = Some(Duration::from_millis(50));
+        let ms: Vec<u64> = (0..6).map(|_| millis(b.wait(up))).collect();
+        assert_eq!(ms, [100, 200, 400, 800, 1600, 2000]);
+        assert_eq!(
+            millis(b.wait(Some(STABLE_AFTER - Duration::from_millis(1)))),
+            2000
+        );
+        // One that stayed up is retried at once, and the backoff starts over.
+        assert_eq!(b.wait(Some(STABLE_AFTER)), Duration::ZERO);
+        assert_eq!(millis(b.wait(None)), 100);
         let last = AtomicU64::new(0);
         assert!(warn_slot(&last, 1_000_000));
         assert!(!warn_slot(&last, 1_000_000 + INVALID_WARN_EVERY_MS - 1));
@@ -1323,5 +1378,249 @@ mod tests {
         q.cooldown(t("b0", None), Cooldown { until_ms: 9, ..c });
         assert_eq!(q.dropped.load(Ordering::Relaxed), 10);
         assert_eq!(q.take().cooldowns[&t("b0", None)].until_ms, 9);
+    }
+
+    // With a real `redis-server` (skipped without one; `./test.sh` installs it).
+
+    use spillgate_mock::RedisServer;
+
+    async fn redis() -> Option<RedisServer> {
+        let r = RedisServer::start().await.unwrap();
+        if r.is_none() {
+            eprintln!("SKIPPED: redis-server is not installed (./test.sh installs it)");
+        }
+        r
+    }
+
+    fn config(url: Option<&str>) -> spillgate_core::config::Config {
+        let state = url.map_or(String::new(), |u| {
+            format!("[state]\nredis_url = \"{u}\"\ntimeout = \"20ms\"\n")
+        });
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[auth]\nclient_keys = [\"env:K\"]\n[admin]\nenabled = false\n{state}\
+             [[backends]]\nname = \"x\"\nkind = \"azure\"\nurl = \"http://127.0.0.1:9\"\napi_key = \"env:K\"\ndeployments = {{ \"gpt-4o\" = \"gpt-4o\" }}\n"
+        );
+        spillgate_core::config::load(&text, &|_| Some("k".into()), &|_| Err("no files".into()))
+            .unwrap()
+    }
+
+    /// A store on `redis`, connected by hand (no background task), and an app (with the
+    /// in-memory store) for its clock and backends.
+    async fn connected(redis: &RedisServer) -> (Arc<RedisStore>, MultiplexedConnection, Arc<App>) {
+        let store = Arc::new(RedisStore::new(config(Some(&redis.url())).state.unwrap()).unwrap());
+        let (conn, _) = store.connect().await.unwrap();
+        store.conn.store(Some(Arc::new(conn.clone())));
+        store.synced.store(true, Ordering::Release);
+        (store, conn, App::new(config(None)).unwrap())
+    }
+
+    async fn get(conn: &mut MultiplexedConnection, key: &str) -> Option<String> {
+        redis::cmd("GET").arg(key).query_async(conn).await.unwrap()
+    }
+
+    fn cooldown(until_ms: u64) -> Cooldown {
+        Cooldown {
+            until_ms,
+            reason: spillgate_core::outcome::CoolReason::Throttled,
+        }
+    }
+
+    async fn claim(store: &RedisStore, budget: &StoreBudget) -> ProbeClaim {
+        store
+            .claim_probes("x", &[None], Duration::from_secs(5), budget)
+            .await
+    }
+
+    fn claimed(c: ProbeClaim) -> ClusterProbe {
+        match c {
+            ProbeClaim::Claimed(mut v) if v.len() == 1 => v.pop().flatten().expect("a probe"),
+            other => panic!("not claimed: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_probe_answer_overtaken_by_a_cooldown_marks_nothing() {
+        let Some(redis) = redis().await else { return };
+        let (store, mut conn, app) = connected(&redis).await;
+        let budget = StoreBudget::new(Duration::from_secs(1));
+        let mut probe = claimed(claim(&store, &budget).await);
+        assert!(get(&mut conn, "spillgate:probe:x").await.is_some());
+        // Another instance's 429 while the probe is in flight: its cooldown ends the slot.
+        let other = Arc::new(RedisStore::new(config(Some(&redis.url())).state.unwrap()).unwrap());
+        other
+            .queue
+            .cooldown(t("x", None), cooldown(app.clock.now_ms() + 2_000));
+        other.flush(&app, &mut conn.clone()).await.unwrap();
+        assert_eq!(get(&mut conn, "spillgate:probe:x").await, None);
+        // The probe then answers well: its answer is older than the cooldown.
+        probe.recovered();
+        drop(probe);
+        store.flush(&app, &mut conn.clone()).await.unwrap();
+        assert_eq!(
+            get(&mut conn, "spillgate:probe:x").await,
+            None,
+            "no recovered mark over a newer cooldown"
+        );
+        // So when that cooldown ends, the backend gets a probe again (not full traffic).
+        claimed(claim(&store, &budget).await);
+    }
+
+    #[tokio::test]
+    async fn probe_outcomes_are_written_before_the_cooldowns_queued_with_them() {
+        let Some(redis) = redis().await else { return };
+        let (store, mut conn, app) = connected(&redis).await;
+        let mut events = {
+            let mut ps = store.client.get_async_pubsub().await.unwrap();
+            ps.subscribe("spillgate:events").await.unwrap();
+            ps.into_on_message()
+        };
+        let budget = StoreBudget::new(Duration::from_secs(1));
+        let mut probe = claimed(claim(&store, &budget).await);
+        // Probe OK, then a 429 from the same backend, in one batch.
+        probe.recovered();
+        drop(probe);
+        store
+            .queue
+            .cooldown(t("x", None), cooldown(app.clock.now_ms() + 2_000));
+        store.flush(&app, &mut conn.clone()).await.unwrap();
+        assert_eq!(
+            get(&mut conn, "spillgate:probe:x").await,
+            None,
+            "no recovered mark"
+        );
+        // Others hear of the recovery, then of the cooldown that ends it.
+        let mut kinds = String::new();
+        for _ in 0..2 {
+            let msg = tokio::time::timeout(Duration::from_secs(2), events.next())
+                .await
+                .unwrap()
+                .unwrap();
+            kinds.push_str(&msg.get_payload::<String>().unwrap()[..1]);
+        }
+        assert_eq!(kinds, "rc");
+    }
+
+    #[tokio::test]
+    async fn writes_publish_whatever_other_keys_hold() {
+        let Some(redis) = redis().await else { return };
+        let (store, mut conn, app) = connected(&redis).await;
+        // A string where earlier versions kept a hash of deployments.
+        let _: () = redis::cmd("SET")
+            .arg("spillgate:targets")
+            .arg("not a hash")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let mut events = {
+            let mut ps = store.client.get_async_pubsub().await.unwrap();
+            ps.subscribe("spillgate:events").await.unwrap();
+            ps.into_on_message()
+        };
+        let now = app.clock.now_ms();
+        store
+            .queue
+            .cooldown(t("x", Some("gpt-4o")), cooldown(now + 2_000));
+        store.queue.capacity(
+            t("x", Some("gpt-4o")),
+            SharedCapacity {
+                observed_ms: now,
+                tokens: None,
+                requests: None,
+            },
+        );
+        store.flush(&app, &mut conn.clone()).await.unwrap();
+        let mut kinds = String::new();
+        for _ in 0..2 {
+            let msg = tokio::time::timeout(Duration::from_secs(2), events.next())
+                .await
+                .expect("the event was published")
+                .unwrap();
+            kinds.push_str(&msg.get_payload::<String>().unwrap()[..1]);
+        }
+        assert_eq!(kinds, "ck");
+        assert_eq!(store.status().errors, 0);
+        assert_eq!(store.status().sent, 2);
+    }
+
+    #[tokio::test]
+    async fn a_poll_rebases_the_clock_on_the_system_clock() {
+        let Some(redis) = redis().await else { return };
+        let (store, mut conn, app) = connected(&redis).await;
+        // The system clock was stepped 60 s forward since start: the gateway's clock is a
+        // minute behind every other instance's.
+        let wall = now_unix_ms();
+        app.clock.step_for_test(wall - 60_000);
+        store.poll(&app, &mut conn).await.unwrap();
+        let off = now_unix_ms().abs_diff(app.clock.now_ms());
+        assert!(off < 1_000, "{off} ms off the system clock after a poll");
+    }
+
+    /// What `tracing` writes, kept for the test to read.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_waits_on_a_stalled_redis_once_and_it_is_said_once() {
+        let Some(redis) = redis().await else { return };
+        let (store, _conn, _app) = connected(&redis).await;
+        let logs = Captured::default();
+        let writer = logs.clone();
+        let _log = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .finish(),
+        );
+        redis.pause().unwrap();
+        // A request meeting two recovering backends: the first claim waits the whole
+        // timeout, the second none.
+        let budget = StoreBudget::new(store.request_budget());
+        let t0 = tokio::time::Instant::now();
+        assert!(matches!(claim(&store, &budget).await, ProbeClaim::Local));
+        assert!(t0.elapsed() >= store.cfg.timeout);
+        assert_eq!(budget.left(), Duration::ZERO);
+        let t1 = tokio::time::Instant::now();
+        assert!(matches!(claim(&store, &budget).await, ProbeClaim::Local));
+        assert!(t1.elapsed() < store.cfg.timeout / 2, "{:?}", t1.elapsed());
+        // More requests, each waiting once: one warning for all of them.
+        for _ in 0..3 {
+            let budget = StoreBudget::new(store.request_budget());
+            assert!(matches!(claim(&store, &budget).await, ProbeClaim::Local));
+        }
+        redis.resume().unwrap();
+        assert_eq!(store.status().local_decisions, 5);
+        let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        let warnings = text
+            .lines()
+            .filter(|l| l.contains("WARN") && l.contains("state.timeout"))
+            .count();
+        assert_eq!(warnings, 1, "{text}");
+        // Without a connection, the local decision is counted too.
+        store.conn.store(None);
+        let budget = StoreBudget::new(store.request_budget());
+        assert!(matches!(claim(&store, &budget).await, ProbeClaim::Local));
+        assert_eq!(store.status().local_decisions, 6);
+    }
+
+    #[test]
+    fn a_request_budget_is_spent_and_exhausted() {
+        let b = StoreBudget::new(Duration::from_millis(5));
+        b.spend(Duration::from_millis(2));
+        assert_eq!(b.left(), Duration::from_millis(3));
+        b.spend(Duration::from_millis(7));
+        assert_eq!(b.left(), Duration::ZERO);
+        let b = StoreBudget::new(Duration::from_millis(5));
+        b.exhaust();
+        assert_eq!(b.left(), Duration::ZERO);
     }
 }
