@@ -223,6 +223,28 @@ enum ProbeOp {
     Recovered(String),
 }
 
+/// One pending write per key: a later value replaces the pending one when `newer` says
+/// so; a new key is taken only while fewer than `MAX_PENDING` are waiting. False when the
+/// write was dropped.
+fn keep_newest<V>(
+    map: &mut HashMap<Target, V>,
+    key: Target,
+    value: V,
+    newer: impl FnOnce(&V, &V) -> bool,
+) -> bool {
+    if let Some(old) = map.get_mut(&key) {
+        if newer(&value, old) {
+            *old = value;
+        }
+        return true;
+    }
+    if map.len() >= MAX_PENDING {
+        return false;
+    }
+    map.insert(key, value);
+    true
+}
+
 /// Writes waiting for the background task, one per key: a newer observation of the same
 /// key replaces (or merges into) the pending one. Probe outcomes are kept per slot and
 /// token: each script acts only on its own token, so outcomes of different probes never
@@ -263,33 +285,17 @@ impl WriteQueue {
 
     fn cooldown(&self, t: Target, c: Cooldown) {
         self.push(|p| {
-            if let Some(old) = p.cooldowns.get_mut(&t) {
-                if c.until_ms > old.until_ms {
-                    *old = c;
-                }
-                return true;
-            }
-            if p.cooldowns.len() >= MAX_PENDING {
-                return false;
-            }
-            p.cooldowns.insert(t, c);
-            true
+            keep_newest(&mut p.cooldowns, t, c, |new, old| {
+                new.until_ms > old.until_ms
+            })
         });
     }
 
     fn capacity(&self, t: Target, c: SharedCapacity) {
         self.push(|p| {
-            if let Some(old) = p.capacity.get_mut(&t) {
-                if c.observed_ms >= old.observed_ms {
-                    *old = c;
-                }
-                return true;
-            }
-            if p.capacity.len() >= MAX_PENDING {
-                return false;
-            }
-            p.capacity.insert(t, c);
-            true
+            keep_newest(&mut p.capacity, t, c, |new, old| {
+                new.observed_ms >= old.observed_ms
+            })
         });
     }
 
