@@ -199,7 +199,7 @@ fn merge(
         remaining,
         limit,
         observed_ms: now_ms,
-        full_at_ms: now_ms.saturating_add(u64::try_from(full_in.as_millis()).unwrap_or(u64::MAX)),
+        full_at_ms: now_ms.saturating_add(crate::outcome::millis(full_in)),
     })
 }
 
@@ -291,8 +291,7 @@ impl Capacity {
         if tokens_ok && requests_ok {
             return Admission::Admit;
         }
-        let stale = now_ms.saturating_sub(observed)
-            >= u64::try_from(policy.stale_after.as_millis()).unwrap_or(u64::MAX);
+        let stale = now_ms.saturating_sub(observed) >= crate::outcome::millis(policy.stale_after);
         if stale && !probe_in_flight {
             return Admission::Probe;
         }

@@ -195,9 +195,12 @@ pub fn cooldown_duration(
 
 /// Wall-clock now in unix milliseconds (for callers outside tests).
 pub fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
+    t.duration_since(UNIX_EPOCH).map(millis).unwrap_or(0)
+}
+
+/// A duration in whole milliseconds, saturating at `u64::MAX`.
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

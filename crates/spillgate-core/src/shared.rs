@@ -70,10 +70,7 @@ fn short(s: &str) -> &str {
 /// The reasons another instance may share. A cooldown for lack of an Entra ID token is
 /// about that instance's own credential, not the backend, and stays with it.
 fn shared_reason(s: &str) -> Option<CoolReason> {
-    match CoolReason::parse(s)? {
-        CoolReason::Auth => None,
-        r => Some(r),
-    }
+    CoolReason::parse(s).filter(|r| is_shared(*r))
 }
 
 /// Whether a cooldown of this reason is shared with other instances.
@@ -280,22 +277,6 @@ impl Target {
             None => self.backend.clone(),
             Some(d) => format!("{}/{d}", self.backend),
         }
-    }
-
-    /// The inverse of [`Target::path`], for names read back from the store; `None` for
-    /// anything that is not a valid backend (and deployment) name.
-    pub fn from_path(s: &str) -> Option<Target> {
-        let (backend, deployment) = match s.split_once('/') {
-            Some((b, d)) => (b, Some(d)),
-            None => (s, None),
-        };
-        if !valid_name(backend) || deployment.is_some_and(|d| !valid_name(d)) {
-            return None;
-        }
-        Some(Target {
-            backend: backend.to_string(),
-            deployment: deployment.map(str::to_string),
-        })
     }
 }
 
@@ -507,10 +488,6 @@ mod tests {
             deployment: Some("gpt-4o:ft-1".into()),
         };
         assert_eq!(t.path(), "ptu-eastus/gpt-4o:ft-1");
-        assert_eq!(Target::from_path(&t.path()), Some(t.clone()));
-        for bad in ["", "a/", "/d", "a/b/c", "a b/c", "a/c*"] {
-            assert_eq!(Target::from_path(bad), None, "{bad:?}");
-        }
         let resource = Target {
             backend: "ptu-eastus".into(),
             deployment: None,

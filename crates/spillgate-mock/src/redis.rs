@@ -42,13 +42,8 @@ impl RedisServer {
     /// Starts a server on a free port and waits until it answers `PING`. `Ok(None)` when
     /// no `redis-server` binary is installed.
     pub async fn start() -> anyhow::Result<Option<RedisServer>> {
-        let Some(bin) = redis_server_binary() else {
+        let Some(mut s) = Self::unstarted()? else {
             return Ok(None);
-        };
-        let mut s = RedisServer {
-            bin,
-            port: free_port()?,
-            child: None,
         };
         s.restart().await?;
         Ok(Some(s))

@@ -411,11 +411,11 @@ impl App {
         Arc::clone(&self.store).start(self);
     }
 
-    /// Cools `backend` for lack of a usable token, for `d`; says whether this started a
-    /// cooldown (counted in the metrics).
-    pub fn cool_for_auth(&self, backend: &BackendRt, d: Duration) -> bool {
+    /// Cools `backend` for lack of a usable token, for `d` (a cooldown that starts is
+    /// counted in the metrics).
+    pub fn cool_for_auth(&self, backend: &BackendRt, d: Duration) {
         let now = self.clock.now_ms();
-        let until_ms = now.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let until_ms = now.saturating_add(spillgate_core::outcome::millis(d));
         let cooled = backend.state.cool_at(
             Cooldown {
                 until_ms,
@@ -424,16 +424,9 @@ impl App {
             now,
         );
         if cooled.started {
-            self.metrics
-                .cooldowns
-                .get_or_create(&vec![
-                    ("backend", (&backend.cfg.name).into()),
-                    ("reason", "auth".into()),
-                ])
-                .inc();
+            self.metrics.cooldown_started(&backend.cfg.name, "auth");
             tracing::debug!(backend = %backend.cfg.name, reason = "auth", cooldown_ms = d.as_millis() as u64, "backend cooling down");
         }
-        cooled.started
     }
 
     /// Cools `backend` for `d` because it refused a token that a renewal would not
@@ -443,7 +436,7 @@ impl App {
     /// started a cooldown (counted in the metrics).
     pub fn cool_for_refused_token(&self, backend: &BackendRt, d: Duration) -> bool {
         let now = self.clock.now_ms();
-        let until_ms = now.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let until_ms = now.saturating_add(spillgate_core::outcome::millis(d));
         let cooled = {
             // Held while cooling, so `obtained` sees the cooldown and its record together.
             let mut refused = self
@@ -469,13 +462,7 @@ impl App {
             cooled
         };
         if cooled.started {
-            self.metrics
-                .cooldowns
-                .get_or_create(&vec![
-                    ("backend", (&backend.cfg.name).into()),
-                    ("reason", "auth".into()),
-                ])
-                .inc();
+            self.metrics.cooldown_started(&backend.cfg.name, "auth");
         }
         cooled.started
     }

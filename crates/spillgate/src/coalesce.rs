@@ -159,7 +159,8 @@ where
                     }
                     Err(frame) => {
                         let Ok(trailers) = frame.into_trailers() else {
-                            // A frame kind this body does not know: pass it on as it is.
+                            // A frame is data or trailers; a kind added to http-body later
+                            // would be skipped here, not passed on.
                             continue;
                         };
                         return this.flush_then(Held::Trailers(trailers));

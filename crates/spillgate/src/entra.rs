@@ -42,7 +42,6 @@ use arc_swap::ArcSwapOption;
 use azure_core::credentials::TokenCredential;
 use azure_core::http::{AsyncRawResponse, ClientOptions, HttpClient, RetryOptions, Transport};
 use azure_identity::Executor;
-use bytes::Bytes;
 use futures_util::FutureExt;
 use http::HeaderValue;
 use http_body_util::{BodyExt, Full, Limited};
@@ -87,13 +86,13 @@ pub struct BearerToken {
 impl BearerToken {
     /// `Bearer <token>` as a header value, or `None` when the token has characters a
     /// header cannot carry.
-    fn new(token: &Secret, expires_at: Instant) -> Option<BearerToken> {
+    fn new(token: &Secret, obtained_at: Instant, expires_at: Instant) -> Option<BearerToken> {
         let mut header = HeaderValue::from_str(&format!("Bearer {}", token.expose())).ok()?;
         header.set_sensitive(true);
         Some(BearerToken {
             header,
             expires_at,
-            obtained_at: Instant::now(),
+            obtained_at,
             generation: 0,
         })
     }
@@ -101,15 +100,6 @@ impl BearerToken {
     /// The `Authorization` header value.
     pub fn header(&self) -> &HeaderValue {
         &self.header
-    }
-
-    pub fn expires_at(&self) -> Instant {
-        self.expires_at
-    }
-
-    /// When the identity service issued it.
-    pub fn obtained_at(&self) -> Instant {
-        self.obtained_at
     }
 
     fn usable_at(&self, now: Instant) -> bool {
@@ -569,16 +559,8 @@ impl TokenSource {
         };
         let now = Instant::now();
         let result = result.and_then(|t| {
-            BearerToken::new(&t.token, now + t.expires_in)
-                .map(|b| {
-                    (
-                        BearerToken {
-                            obtained_at: now,
-                            ..b
-                        },
-                        t.expires_in,
-                    )
-                })
+            BearerToken::new(&t.token, now, now + t.expires_in)
+                .map(|b| (b, t.expires_in))
                 .ok_or_else(|| {
                     FetchError(
                         "the identity service returned a token that is not a valid header value"
@@ -654,8 +636,7 @@ impl TokenSource {
             }
             (next, first, failures, announce)
         };
-        let retry_ms =
-            u64::try_from(next.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX);
+        let retry_ms = spillgate_core::outcome::millis(next.saturating_duration_since(now));
         let cooled = match (&valid, self.events.get()) {
             (None, Some(events)) => events.unavailable(self, next.saturating_duration_since(now)),
             _ => Vec::new(),
@@ -1071,7 +1052,7 @@ impl HttpClient for IdentityTransport {
             }
         }
         let req = builder
-            .body(Full::new(Bytes::from(body.to_vec())))
+            .body(Full::new(body))
             .map_err(|e| sdk_error(ErrorKind::Other, e.to_string()))?;
         let resp = self
             .upstream
@@ -1107,7 +1088,7 @@ impl HttpClient for IdentityTransport {
         Ok(AsyncRawResponse::from_bytes(
             parts.status.as_u16().into(),
             headers,
-            bytes.to_vec(),
+            bytes,
         ))
     }
 }
@@ -1115,6 +1096,7 @@ impl HttpClient for IdentityTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use spillgate_core::config::DEFAULT_ENTRA_SCOPE;
     use std::collections::VecDeque;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1661,6 +1643,7 @@ mod tests {
     fn tokens_never_print() {
         let t = BearerToken::new(
             &Secret::new("eyJsecret.token.value".into()),
+            Instant::now(),
             Instant::now() + HOUR,
         )
         .unwrap();

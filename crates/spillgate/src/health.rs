@@ -156,8 +156,7 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
             }
         } else {
             let now = a.clock.now_ms();
-            let until_ms =
-                now.saturating_add(u64::try_from(hc.interval.as_millis()).unwrap_or(u64::MAX));
+            let until_ms = now.saturating_add(spillgate_core::outcome::millis(hc.interval));
             let cooldown = Cooldown {
                 until_ms,
                 reason: CoolReason::Health,
@@ -168,13 +167,7 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
             }
             // Counted when a cooldown starts, as the proxy counts its own.
             if cooled.started {
-                a.metrics
-                    .cooldowns
-                    .get_or_create(&vec![
-                        ("backend", (&b.cfg.name).into()),
-                        ("reason", "health".into()),
-                    ])
-                    .inc();
+                a.metrics.cooldown_started(&b.cfg.name, "health");
             }
             if healthy {
                 tracing::warn!(backend = %name, result = %detail, "health check failed; backend cooling until it passes");

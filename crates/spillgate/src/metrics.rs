@@ -114,6 +114,16 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Counts a cooldown that started for `backend` (not one that was only extended).
+    pub fn cooldown_started(&self, backend: &Arc<str>, reason: &'static str) {
+        self.cooldowns
+            .get_or_create(&vec![
+                ("backend", backend.into()),
+                ("reason", reason.into()),
+            ])
+            .inc();
+    }
+
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("spillgate");
         let m = Metrics {

@@ -7,6 +7,7 @@
 //! after that the response belongs to the client, and a backend that breaks mid-stream
 //! ends the client's stream without a fabricated end marker.
 
+use spillgate_core::outcome::millis;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -236,7 +237,7 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         None => match inspect_body(&body) {
             Ok(info) => match info.model.clone() {
                 Some(m) if !is_safe_name(&m) => {
-                    tracing::info!(model = ?truncate(&m), status = 400, "request rejected: invalid model name");
+                    tracing::info!(model = ?truncate(&m), status = 400, code = "invalid_model", "request rejected: invalid model name");
                     return GatewayError::bad_request(
                         "invalid_model",
                         "`model` may contain only letters, digits, '-', '_', '.' and ':' (at most 256 characters).",
@@ -264,7 +265,7 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
 
     let table = &snap.config.table;
     let Some(route_id) = table.route_for(&req.model, &snap.config.backends) else {
-        tracing::info!(model = %req.model, client = client.name(), status = 404, "no backend serves this model");
+        tracing::info!(model = %req.model, client = client.name(), status = 404, code = "model_not_found", "no backend serves this model");
         return GatewayError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -1282,13 +1283,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             &mut rng,
             &*app.store,
         ) {
-            app.metrics
-                .cooldowns
-                .get_or_create(&vec![
-                    ("backend", (&backend.cfg.name).into()),
-                    ("reason", "tripped".into()),
-                ])
-                .inc();
+            app.metrics.cooldown_started(&backend.cfg.name, "tripped");
         }
         if !outcome.fails_over() {
             // It answered (a success or the client's own error). Only the request holding
@@ -1338,12 +1333,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     );
                     if started {
                         app.metrics
-                            .cooldowns
-                            .get_or_create(&vec![
-                                ("backend", (&backend.cfg.name).into()),
-                                ("reason", reason.as_str().into()),
-                            ])
-                            .inc();
+                            .cooldown_started(&backend.cfg.name, reason.as_str());
                     }
                 }
             }
@@ -1459,10 +1449,6 @@ fn record_breaker(
         "circuit breaker tripped"
     );
     true
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A random extra delay of up to 10% of a cooldown, at most `cooldown.max_jitter`, so

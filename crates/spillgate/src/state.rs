@@ -56,7 +56,7 @@ impl Clock {
 
     fn elapsed_ms(&self) -> u64 {
         let elapsed = tokio::time::Instant::now().saturating_duration_since(self.base_instant);
-        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+        spillgate_core::outcome::millis(elapsed)
     }
 
     pub fn now_ms(&self) -> u64 {

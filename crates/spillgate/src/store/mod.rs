@@ -140,8 +140,6 @@ impl StoreStatus {
 /// the caller.
 #[async_trait::async_trait]
 pub trait StateStore: Send + Sync {
-    fn kind(&self) -> &'static str;
-
     /// Whether other instances share the state (the probe claim is worth a call).
     fn shared(&self) -> bool {
         false
@@ -184,10 +182,6 @@ pub struct MemoryStore;
 
 #[async_trait::async_trait]
 impl StateStore for MemoryStore {
-    fn kind(&self) -> &'static str {
-        "memory"
-    }
-
     fn status(&self) -> StoreStatus {
         StoreStatus {
             kind: "memory",

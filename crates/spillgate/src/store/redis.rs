@@ -30,6 +30,7 @@
 //! manager, because the gateway must know when the link goes and comes back: to log it
 //! once each way, to decide alone while it is down, and to re-sync when it returns.
 
+use spillgate_core::outcome::millis;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -226,9 +227,9 @@ enum ProbeOp {
 /// One pending write per key: a later value replaces the pending one when `newer` says
 /// so; a new key is taken only while fewer than `MAX_PENDING` are waiting. False when the
 /// write was dropped.
-fn keep_newest<V>(
-    map: &mut HashMap<Target, V>,
-    key: Target,
+fn keep_newest<K: std::hash::Hash + Eq, V>(
+    map: &mut HashMap<K, V>,
+    key: K,
     value: V,
     newer: impl FnOnce(&V, &V) -> bool,
 ) -> bool {
@@ -304,16 +305,10 @@ impl WriteQueue {
             let token = match &op {
                 ProbeOp::Release(k) | ProbeOp::Recovered(k) => k.clone(),
             };
-            let key = (t, token);
-            match p.probes.get(&key) {
-                // A recovery implies the release of the same slot: it is not undone by it.
-                Some(ProbeOp::Recovered(_)) => return true,
-                Some(ProbeOp::Release(_)) => {}
-                None if p.probes.len() >= MAX_PENDING => return false,
-                None => {}
-            }
-            p.probes.insert(key, op);
-            true
+            // A recovery implies the release of the same slot: it is not undone by it.
+            keep_newest(&mut p.probes, (t, token), op, |_, old| {
+                !matches!(old, ProbeOp::Recovered(_))
+            })
         });
     }
 
@@ -471,10 +466,6 @@ async fn sleep_jittered(d: Duration) {
 
 fn now_unix_ms() -> u64 {
     spillgate_core::outcome::unix_ms(std::time::SystemTime::now())
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl RedisStore {
@@ -720,6 +711,19 @@ impl RedisStore {
         }
     }
 
+    /// Runs a script that stores and publishes, counting the write when it took (the
+    /// scripts answer 1 then, 0 when a newer value stood).
+    async fn write(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = redis::RedisResult<i64>>,
+    ) -> Result<(), String> {
+        if self.op(what, fut).await? == Some(1) {
+            self.stats.sent.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Brings the clock in line with the system clock before shared deadlines are read or
     /// written (see `Clock`): a step of the system clock after start would otherwise skew
     /// every deadline this instance shares.
@@ -755,22 +759,18 @@ impl RedisStore {
                 ProbeOp::Recovered(token) => {
                     let event =
                         shared::encode_event(&self.instance, &Event::Recovered(target.clone()));
-                    let marked: Option<i64> = self
-                        .op(
-                            "probe recovered",
-                            self.scripts
-                                .recovered
-                                .key(key)
-                                .arg(token)
-                                .arg(RECOVERED_MARK_MS)
-                                .arg(&self.channel)
-                                .arg(event)
-                                .invoke_async(conn),
-                        )
-                        .await?;
-                    if marked == Some(1) {
-                        self.stats.sent.fetch_add(1, Ordering::Relaxed);
-                    }
+                    self.write(
+                        "probe recovered",
+                        self.scripts
+                            .recovered
+                            .key(key)
+                            .arg(token)
+                            .arg(RECOVERED_MARK_MS)
+                            .arg(&self.channel)
+                            .arg(event)
+                            .invoke_async(conn),
+                    )
+                    .await?;
                 }
             }
         }
@@ -785,26 +785,22 @@ impl RedisStore {
                 &Event::Cooled(target.clone(), shared::encode_cooldown(c)),
             );
             let ttl = c.until_ms - now + 60_000;
-            let written: Option<i64> = self
-                .op(
-                    "cooldown",
-                    self.scripts
-                        .cool
-                        .key(self.key("cool", &target))
-                        .key(self.key("probe", &target))
-                        .arg(c.until_ms)
-                        .arg(c.reason.as_str())
-                        .arg(ttl)
-                        .arg(now)
-                        .arg(max_ahead.saturating_add(shared::MAX_SKEW_MS))
-                        .arg(&self.channel)
-                        .arg(event)
-                        .invoke_async(conn),
-                )
-                .await?;
-            if written == Some(1) {
-                self.stats.sent.fetch_add(1, Ordering::Relaxed);
-            }
+            self.write(
+                "cooldown",
+                self.scripts
+                    .cool
+                    .key(self.key("cool", &target))
+                    .key(self.key("probe", &target))
+                    .arg(c.until_ms)
+                    .arg(c.reason.as_str())
+                    .arg(ttl)
+                    .arg(now)
+                    .arg(max_ahead.saturating_add(shared::MAX_SKEW_MS))
+                    .arg(&self.channel)
+                    .arg(event)
+                    .invoke_async(conn),
+            )
+            .await?;
         }
         for (target, c) in pending.capacity {
             let value = shared::encode_capacity(&c);
@@ -812,24 +808,20 @@ impl RedisStore {
                 &self.instance,
                 &Event::Capacity(target.clone(), value.clone()),
             );
-            let written: Option<i64> = self
-                .op(
-                    "capacity",
-                    self.scripts
-                        .capacity
-                        .key(self.key("cap", &target))
-                        .arg(c.observed_ms)
-                        .arg(value)
-                        .arg(CAPACITY_TTL_MS)
-                        .arg(now)
-                        .arg(&self.channel)
-                        .arg(event)
-                        .invoke_async(conn),
-                )
-                .await?;
-            if written == Some(1) {
-                self.stats.sent.fetch_add(1, Ordering::Relaxed);
-            }
+            self.write(
+                "capacity",
+                self.scripts
+                    .capacity
+                    .key(self.key("cap", &target))
+                    .arg(c.observed_ms)
+                    .arg(value)
+                    .arg(CAPACITY_TTL_MS)
+                    .arg(now)
+                    .arg(&self.channel)
+                    .arg(event)
+                    .invoke_async(conn),
+            )
+            .await?;
         }
         Ok(())
     }
@@ -1126,10 +1118,6 @@ fn forget_remote_budgets(app: &App) {
 
 #[async_trait::async_trait]
 impl StateStore for RedisStore {
-    fn kind(&self) -> &'static str {
-        "redis"
-    }
-
     fn shared(&self) -> bool {
         true
     }
