@@ -76,9 +76,10 @@ start_nginx() { # backend_port
     mkdir -p "$WORK/nginx-$1"
     cat >"$WORK/nginx-$1/nginx.conf" <<EOF
 worker_processes auto;
+worker_rlimit_nofile 65536;
 pid $WORK/nginx-$1/nginx.pid;
 error_log $WORK/nginx-$1/error.log warn;
-events { worker_connections 4096; }
+events { worker_connections 20000; }
 http {
     access_log off;
     upstream backend { server 127.0.0.1:$1; keepalive 256; }

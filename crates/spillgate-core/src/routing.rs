@@ -242,15 +242,16 @@ impl RoutingTable {
 
     /// `model` when the config names it, else `other`: a bounded metric label.
     pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
-        if self
-            .listed
-            .binary_search_by(|m| m.as_str().cmp(model))
-            .is_ok()
-        {
+        if self.model_index(model).is_some() {
             model
         } else {
             "other"
         }
+    }
+
+    /// Where the config lists `model` among the names [`Self::model_label`] keeps.
+    pub fn model_index(&self, model: &str) -> Option<usize> {
+        self.listed.binary_search_by(|m| m.as_str().cmp(model)).ok()
     }
 
     /// Model names clients can list (`GET /v1/models`): names in backends' `deployments`

@@ -232,6 +232,8 @@ pub struct Snapshot {
     pub version: u64,
     /// When this config took effect (unix milliseconds).
     pub loaded_at_ms: u64,
+    /// Metric handles for the request path, keyed by this snapshot's indices.
+    pub handles: crate::metrics::RequestHandles,
 }
 
 impl Snapshot {
@@ -327,6 +329,7 @@ impl Snapshot {
             models_json,
             version: previous.map_or(1, |p| p.version + 1),
             loaded_at_ms: spillgate_core::outcome::unix_ms(std::time::SystemTime::now()),
+            handles: Default::default(),
         })
     }
 }

@@ -64,6 +64,10 @@ impl Client {
 pub const CLIENT_CREDENTIAL_HEADERS: [&str; 3] =
     ["authorization", "api-key", "ocp-apim-subscription-key"];
 
+const HEADER_API_KEY: http::HeaderName = http::HeaderName::from_static("api-key");
+const HEADER_APIM_KEY: http::HeaderName =
+    http::HeaderName::from_static("ocp-apim-subscription-key");
+
 impl ClientKeys {
     pub fn none() -> ClientKeys {
         ClientKeys { keys: None }
@@ -85,7 +89,7 @@ impl ClientKeys {
             return Some(Client::Anonymous);
         };
         let presented = headers
-            .get("api-key")
+            .get(HEADER_API_KEY)
             .map(|v| v.as_bytes())
             .or_else(|| {
                 headers.get(http::header::AUTHORIZATION).and_then(|v| {
@@ -93,11 +97,7 @@ impl ClientKeys {
                     (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| &v[7..])
                 })
             })
-            .or_else(|| {
-                headers
-                    .get("ocp-apim-subscription-key")
-                    .map(|v| v.as_bytes())
-            })?;
+            .or_else(|| headers.get(HEADER_APIM_KEY).map(|v| v.as_bytes()))?;
         let presented = digest(presented.trim_ascii());
         let mut found = None;
         // Check every key, without an early exit, so timing does not tell which matched.

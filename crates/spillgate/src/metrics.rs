@@ -13,7 +13,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::hash::{Hash, Hasher};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
@@ -287,6 +288,76 @@ impl Metrics {
 }
 
 /// `2xx`, `4xx`, ... for a status.
+/// Handles to one family's series, found by a small key the caller packs from indices
+/// (backend, status class, priority...) rather than by building and SipHashing a label
+/// vector on every update, the biggest cost of a metric update on the request path. A
+/// handle shares its value with its series in the family, so what `/metrics` shows is the
+/// same either way. Held by a config snapshot, so the indices in the keys are stable.
+pub struct HandleCache<M> {
+    map: std::sync::RwLock<HashMap<u64, M, BuildHasherDefault<KeyHasher>>>,
+}
+
+impl<M> std::fmt::Debug for HandleCache<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.map.read().map_or(0, |m| m.len());
+        write!(f, "HandleCache({n} handles)")
+    }
+}
+
+impl<M> Default for HandleCache<M> {
+    fn default() -> Self {
+        HandleCache {
+            map: std::sync::RwLock::new(HashMap::default()),
+        }
+    }
+}
+
+impl<M: Clone> HandleCache<M> {
+    /// Runs `f` on the handle for `key`, made by `make` (a `get_or_create` on the family)
+    /// the first time.
+    pub fn with<R>(&self, key: u64, make: impl FnOnce() -> M, f: impl FnOnce(&M) -> R) -> R {
+        if let Ok(map) = self.map.read() {
+            if let Some(m) = map.get(&key) {
+                return f(m);
+            }
+        }
+        let m = make();
+        let r = f(&m);
+        if let Ok(mut map) = self.map.write() {
+            map.entry(key).or_insert(m);
+        }
+        r
+    }
+}
+
+/// Hashes the `u64` keys of [`HandleCache`]: one multiply spreads the packed fields over
+/// the bits the table uses.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// The request-path metric handles of one config snapshot.
+#[derive(Debug, Default)]
+pub struct RequestHandles {
+    pub requests: HandleCache<Counter>,
+    pub attempts: HandleCache<Counter>,
+    pub ttfb: HandleCache<Histogram>,
+    pub duration: HandleCache<Histogram>,
+}
+
 pub fn status_class(status: u16) -> Label {
     match status / 100 {
         1 => "1xx".into(),

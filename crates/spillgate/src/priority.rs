@@ -31,10 +31,12 @@ pub fn treated_as_low(
     config.priority.is_some() && is_low(headers, query)
 }
 
+const HEADER_PRIORITY: http::HeaderName = http::HeaderName::from_static("x-priority");
+
 /// Whether a request asks to be low priority: `x-priority: low` or `priority=low`.
 pub fn is_low(headers: &HeaderMap, query: Option<&str>) -> bool {
     let header = headers
-        .get("x-priority")
+        .get(HEADER_PRIORITY)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("low"));
     let param = query.is_some_and(|q| {
@@ -140,25 +142,27 @@ pub fn estimate_tokens(body: &[u8], operation: &str, default_max_tokens: u64) ->
 /// completion allowance (`max_tokens` x `n`, 0 when unset). Good enough to pass over a
 /// deployment whose tracked capacity clearly cannot take the request.
 pub fn cheap_estimate(body: &[u8], operation: &str) -> u64 {
-    #[derive(Deserialize, Default)]
-    struct P {
-        max_tokens: Option<u64>,
-        max_completion_tokens: Option<u64>,
-        max_output_tokens: Option<u64>,
-        n: Option<u64>,
-    }
     let prompt = (body.len() as u64).div_ceil(4);
     if operation.starts_with("embeddings") {
         return prompt.max(1);
     }
-    let p: P = serde_json::from_slice(body).unwrap_or_default();
-    let completion = p
-        .max_tokens
-        .or(p.max_completion_tokens)
-        .or(p.max_output_tokens)
-        .unwrap_or(0);
+    // Four numbers read with a skip-scan: this runs on every request.
+    let [max_tokens, max_completion, max_output, n] = top_level_members(
+        body,
+        [
+            b"max_tokens",
+            b"max_completion_tokens",
+            b"max_output_tokens",
+            b"n",
+        ],
+    )
+    .map(|v| {
+        let mut de = serde_json::Deserializer::from_slice(v?);
+        u64::deserialize(&mut de).ok()
+    });
+    let completion = max_tokens.or(max_completion).or(max_output).unwrap_or(0);
     prompt
-        .saturating_add(completion.saturating_mul(p.n.unwrap_or(1).clamp(1, 128)))
+        .saturating_add(completion.saturating_mul(n.unwrap_or(1).clamp(1, 128)))
         .max(1)
 }
 
@@ -255,11 +259,6 @@ fn splice_include_usage(body: &[u8]) -> Option<Vec<u8>> {
 }
 
 #[derive(Deserialize)]
-struct UsageProbe {
-    usage: Option<Usage>,
-}
-
-#[derive(Deserialize)]
 struct Usage {
     total_tokens: Option<u64>,
     prompt_tokens: Option<u64>,
@@ -278,16 +277,114 @@ impl Usage {
     }
 }
 
-/// The `usage` total of a JSON document, if it has one.
+/// The `usage` total of a JSON document, if it has one. Only the `usage` member is
+/// parsed; the rest of the document is skipped over by [`top_level_member`], which costs
+/// a fraction of a full parse (this runs on every response).
 pub fn usage_total(json: &[u8]) -> Option<u64> {
-    serde_json::from_slice::<UsageProbe>(json)
-        .ok()?
-        .usage?
-        .total()
+    let [value] = top_level_members(json, [b"usage"]);
+    let mut de = serde_json::Deserializer::from_slice(value?);
+    Option::<Usage>::deserialize(&mut de).ok()??.total()
+}
+
+/// For each of `keys`, the bytes from the value of that top-level member of the JSON
+/// object `json` to the end of `json` (`None` when absent; the first of duplicates
+/// counts). One pass that skips strings with their escapes, so a key inside a string or
+/// in a nested object never matches: a fraction of the cost of a full parse. A key
+/// written with escapes (`"\u0075sage"`) is not recognised.
+fn top_level_members<'a, const N: usize>(
+    json: &'a [u8],
+    keys: [&[u8]; N],
+) -> [Option<&'a [u8]>; N] {
+    let mut found = [None; N];
+    let mut left = N;
+    let _ = scan_members(json, |key, rest| {
+        if let Some(i) = keys.iter().position(|k| *k == key) {
+            if found[i].is_none() {
+                found[i] = Some(rest);
+                left -= 1;
+            }
+        }
+        left > 0
+    });
+    found
+}
+
+/// Calls `member(key, rest)` for each top-level member of `json` (`rest` starts at its
+/// value) while it returns true.
+fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> bool) -> Option<()> {
+    let mut depth = 0usize;
+    let mut i = 0;
+    while let Some(&c) = json.get(i) {
+        match c {
+            b'"' => {
+                let start = i + 1;
+                let mut j = start;
+                let end = loop {
+                    let k = j + memchr::memchr2(b'"', b'\\', json.get(j..)?)?;
+                    if json[k] == b'"' {
+                        break k;
+                    }
+                    j = k + 2;
+                };
+                i = end + 1;
+                if depth == 1 {
+                    let rest = json.get(i..)?;
+                    let after = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+                    if rest[after] == b':' && !member(&json[start..end], rest.get(after + 1..)?) {
+                        return Some(());
+                    }
+                }
+                continue;
+            }
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' => depth = depth.checked_sub(1)?,
+            _ => {}
+        }
+        i += 1;
+    }
+    Some(())
 }
 
 /// Largest non-streamed response body kept aside to read its `usage`.
 const JSON_TAP_LIMIT: usize = 4 * 1024 * 1024;
+
+/// A JSON response body kept aside to read its `usage` at the end: most arrive in one
+/// chunk, kept by reference; only a body in several chunks is copied together.
+enum JsonCopy {
+    Empty,
+    One(Bytes),
+    Many(Vec<u8>),
+}
+
+impl JsonCopy {
+    fn len(&self) -> usize {
+        match self {
+            JsonCopy::Empty => 0,
+            JsonCopy::One(b) => b.len(),
+            JsonCopy::Many(v) => v.len(),
+        }
+    }
+
+    /// Adds a chunk, up to [`JSON_TAP_LIMIT`] bytes in all (the rest is not kept).
+    fn add(&mut self, data: &Bytes) {
+        if self.len() + data.len() > JSON_TAP_LIMIT {
+            return;
+        }
+        *self = match std::mem::replace(self, JsonCopy::Empty) {
+            JsonCopy::Empty => JsonCopy::One(data.clone()),
+            JsonCopy::One(first) => {
+                let mut v = Vec::with_capacity(first.len() + data.len());
+                v.extend_from_slice(&first);
+                v.extend_from_slice(data);
+                JsonCopy::Many(v)
+            }
+            JsonCopy::Many(mut v) => {
+                v.extend_from_slice(data);
+                JsonCopy::Many(v)
+            }
+        };
+    }
+}
 
 /// Called once with the usage total a response reported (or `None`).
 pub type OnUsage = Box<dyn FnOnce(Option<u64>) + Send>;
@@ -303,7 +400,7 @@ pub struct UsageTap<B> {
     json_body: bool,
     strip_usage_chunk: bool,
     pending: BytesMut,
-    json: Vec<u8>,
+    json: JsonCopy,
     usage: Option<u64>,
     on_usage: Option<OnUsage>,
 }
@@ -322,7 +419,7 @@ impl<B> UsageTap<B> {
             json_body,
             strip_usage_chunk,
             pending: BytesMut::new(),
-            json: Vec::new(),
+            json: JsonCopy::Empty,
             usage: None,
             on_usage: Some(on_usage),
         }
@@ -330,7 +427,11 @@ impl<B> UsageTap<B> {
 
     fn finish(&mut self) {
         if !self.sse && self.usage.is_none() {
-            self.usage = usage_total(&self.json);
+            self.usage = match &self.json {
+                JsonCopy::Empty => None,
+                JsonCopy::One(b) => usage_total(b),
+                JsonCopy::Many(v) => usage_total(v),
+            };
         }
         if let Some(f) = self.on_usage.take() {
             f(self.usage);
@@ -496,8 +597,8 @@ where
                         Err(frame) => return Poll::Ready(Some(Ok(frame))),
                     };
                     if !this.sse {
-                        if this.json_body && this.json.len() + data.len() <= JSON_TAP_LIMIT {
-                            this.json.extend_from_slice(&data);
+                        if this.json_body {
+                            this.json.add(&data);
                         }
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
@@ -544,6 +645,148 @@ mod tests {
     use super::*;
     use http_body_util::{BodyExt, StreamBody};
     use std::sync::{Arc, Mutex};
+
+    /// What a full parse finds: the top-level `usage` object's total.
+    fn usage_by_full_parse(json: &[u8]) -> Option<u64> {
+        let v: serde_json::Value = serde_json::from_slice(json).ok()?;
+        let u = v.as_object()?.get("usage")?.clone();
+        serde_json::from_value::<Option<Usage>>(u).ok()??.total()
+    }
+
+    #[test]
+    fn usage_is_read_from_the_top_level_member_only() {
+        let cases: [(&str, Option<u64>); 10] = [
+            (
+                r#"{"id":"x","usage":{"prompt_tokens":19,"completion_tokens":4,"total_tokens":23}}"#,
+                Some(23),
+            ),
+            (
+                r#"{ "usage" : {"input_tokens":5,"output_tokens":2} , "id":1}"#,
+                Some(7),
+            ),
+            (r#"{"usage":null}"#, None),
+            (r#"{"choices":[{"usage":{"total_tokens":9}}]}"#, None),
+            (
+                r#"{"meta":{"usage":{"total_tokens":9}},"usage":{"total_tokens":3}}"#,
+                Some(3),
+            ),
+            (
+                r#"{"text":"\"usage\":{\"total_tokens\":9}","usage":{"total_tokens":4}}"#,
+                Some(4),
+            ),
+            (r#"{"a\"usage":{"total_tokens":9}}"#, None),
+            (r#"{"k":"\\","usage":{"total_tokens":6}}"#, Some(6)),
+            (r#"["usage",{"total_tokens":1}]"#, None),
+            (r#"{"text":"unterminated"#, None),
+        ];
+        for (json, want) in cases {
+            assert_eq!(usage_total(json.as_bytes()), want, "{json}");
+            assert_eq!(usage_by_full_parse(json.as_bytes()), want, "{json}");
+        }
+    }
+
+    fn json_value() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
+        use proptest::prelude::*;
+        let key = prop_oneof![
+            Just("usage".to_string()),
+            Just("total_tokens".to_string()),
+            Just("prompt_tokens".to_string()),
+            "[a-z\"\\\\:{}\\[\\], ]{0,8}",
+        ];
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::from),
+            (0u64..1000).prop_map(serde_json::Value::from),
+            "[a-z\"\\\\:{}\\[\\], ]{0,12}".prop_map(serde_json::Value::from),
+        ];
+        leaf.prop_recursive(4, 40, 6, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+                proptest::collection::vec((key.clone(), inner), 0..5)
+                    .prop_map(|kv| serde_json::Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// The cheap estimate as a full parse computes it.
+    fn cheap_by_full_parse(body: &[u8]) -> u64 {
+        let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+        let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
+        let completion = num("max_tokens")
+            .or(num("max_completion_tokens"))
+            .or(num("max_output_tokens"))
+            .unwrap_or(0);
+        (body.len() as u64)
+            .div_ceil(4)
+            .saturating_add(completion.saturating_mul(num("n").unwrap_or(1).clamp(1, 128)))
+            .max(1)
+    }
+
+    #[test]
+    fn cheap_estimate_reads_the_top_level_limits() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"\"n\": 99"}],"max_tokens":70,"n":2}"#;
+        assert_eq!(
+            cheap_estimate(body, "chat/completions"),
+            (body.len() as u64).div_ceil(4) + 140
+        );
+        let nested = br#"{"tools":[{"max_tokens":900}],"max_completion_tokens":10}"#;
+        assert_eq!(
+            cheap_estimate(nested, "chat/completions"),
+            (nested.len() as u64).div_ceil(4) + 10
+        );
+        let odd = br#"{"max_tokens":"70","max_output_tokens":5,"n":-1}"#;
+        assert_eq!(
+            cheap_estimate(odd, "responses"),
+            (odd.len() as u64).div_ceil(4) + 5
+        );
+        assert_eq!(
+            cheap_estimate(body, "embeddings"),
+            (body.len() as u64).div_ceil(4)
+        );
+        for b in [&body[..], &nested[..], &odd[..]] {
+            assert_eq!(
+                cheap_estimate(b, "chat/completions"),
+                cheap_by_full_parse(b)
+            );
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn cheap_estimate_agrees_with_a_full_parse(
+            v in json_value(),
+            limits in proptest::collection::vec((0usize..4, 0u64..100_000), 0..4),
+        ) {
+            let mut v = v;
+            if let Some(obj) = v.as_object_mut() {
+                for (k, n) in limits {
+                    let key = ["max_tokens", "max_completion_tokens", "max_output_tokens", "n"][k];
+                    obj.insert(key.into(), n.into());
+                }
+            }
+            let body = serde_json::to_vec(&v).unwrap();
+            proptest::prop_assert_eq!(cheap_estimate(&body, "chat/completions"), cheap_by_full_parse(&body));
+        }
+
+        /// On any document, compact or pretty, the skip-scan reads what a full parse reads.
+        #[test]
+        fn usage_total_agrees_with_a_full_parse(
+            v in json_value(),
+            usage in proptest::option::of((0u64..1000, 0u64..1000, proptest::option::of(0u64..5000))),
+            pretty in proptest::bool::ANY,
+        ) {
+            let mut v = v;
+            if let (Some((p, c, t)), Some(obj)) = (usage, v.as_object_mut()) {
+                let mut u = serde_json::json!({"prompt_tokens": p, "completion_tokens": c});
+                if let Some(t) = t {
+                    u["total_tokens"] = t.into();
+                }
+                obj.insert("usage".into(), u);
+            }
+            let json = if pretty { serde_json::to_vec_pretty(&v) } else { serde_json::to_vec(&v) }.unwrap();
+            proptest::prop_assert_eq!(usage_total(&json), usage_by_full_parse(&json));
+        }
+    }
 
     #[test]
     fn low_priority_by_header_or_parameter() {

@@ -32,14 +32,19 @@ use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::entra::{BearerToken, Refusal, TokenError};
 use crate::errors::GatewayError;
-use crate::metrics::Label;
+use crate::metrics::{Label, Labels};
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
 use crate::store::{ProbeClaim, StateStore, StoreBudget};
 use crate::upstream::AttemptError;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
 
-pub const HEADER_BACKEND: &str = "x-spillgate-backend";
-pub const HEADER_ATTEMPTS: &str = "x-spillgate-attempts";
-pub const HEADER_MODEL: &str = "x-spillgate-model";
+// Header names are constants: a `&str` name is parsed and classified on every use.
+pub const HEADER_BACKEND: HeaderName = HeaderName::from_static("x-spillgate-backend");
+pub const HEADER_ATTEMPTS: HeaderName = HeaderName::from_static("x-spillgate-attempts");
+pub const HEADER_MODEL: HeaderName = HeaderName::from_static("x-spillgate-model");
+pub const HEADER_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+const HEADER_UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
 /// Connection-scoped headers (RFC 9110 §7.6.1) that a proxy must not forward.
 const HOP_BY_HOP: [&str; 8] = [
@@ -109,15 +114,61 @@ fn response_headers(upstream: &HeaderMap) -> HeaderMap {
     let tokens = connection_tokens(upstream);
     let mut out = HeaderMap::with_capacity(upstream.len() + 2);
     for (name, value) in upstream {
-        if name.as_str() == "x-request-id" {
+        if name == HEADER_REQUEST_ID {
             // The gateway's own id is the client's x-request-id; the backend's stays
             // available for support requests to its provider.
-            out.append("x-upstream-request-id", value.clone());
+            out.append(HEADER_UPSTREAM_REQUEST_ID, value.clone());
         } else if !is_hop_by_hop(name, &tokens) && !BACKEND_ONLY_HEADERS.contains(&name.as_str()) {
             out.append(name.clone(), value.clone());
         }
     }
     out
+}
+
+/// The response headers the gateway reads after every attempt (retry hints and rate
+/// limits), in the order of [`Signals`]' slots.
+const SIGNAL_HEADERS: [&str; 9] = [
+    "retry-after-ms",
+    "x-ms-retry-after-ms",
+    "retry-after",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-reset-tokens",
+    "x-ratelimit-reset-requests",
+];
+
+/// The values of [`SIGNAL_HEADERS`] in one response, found in one pass over its headers
+/// (a lookup by `&str` name parses and hashes the name each time, nine times a response).
+/// The first value of a repeated header counts, as with `HeaderMap::get`.
+struct Signals<'a>([Option<&'a str>; SIGNAL_HEADERS.len()]);
+
+impl<'a> Signals<'a> {
+    fn read(headers: &'a HeaderMap) -> Self {
+        let mut found = [None; SIGNAL_HEADERS.len()];
+        for (name, value) in headers {
+            let n = name.as_str();
+            if !(n.starts_with("x-ratelimit-")
+                || n.starts_with("retry-after")
+                || n.starts_with("x-ms-"))
+            {
+                continue;
+            }
+            if let Some(i) = SIGNAL_HEADERS.iter().position(|s| *s == n) {
+                if found[i].is_none() {
+                    found[i] = Some(value.to_str().ok());
+                }
+            }
+        }
+        Signals(found.map(Option::flatten))
+    }
+
+    fn get(&self, name: &str) -> Option<&'a str> {
+        let i = SIGNAL_HEADERS.iter().position(|s| *s == name);
+        debug_assert!(i.is_some(), "{name} is not in SIGNAL_HEADERS");
+        self.0[i?]
+    }
 }
 
 /// The one log line of a request the gateway answers itself before any upstream call.
@@ -286,7 +337,7 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
         .get::<crate::server::RequestId>()
         .and_then(|id| HeaderValue::from_str(&id.0).ok())
     {
-        fwd_headers.insert("x-request-id", v);
+        fwd_headers.insert(HEADER_REQUEST_ID, v);
     }
     let mut guard = DisconnectGuard {
         model: &req.model,
@@ -1112,13 +1163,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         if let (Some(source), Some(used)) = (&backend.entra, token.clone()) {
             if matches!(&result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED) {
                 backend.state.set_last_status(401);
-                app.metrics
-                    .attempts
-                    .get_or_create(&vec![
-                        ("backend", (&backend.cfg.name).into()),
-                        ("outcome", Label::from("4xx")),
-                    ])
-                    .inc();
+                record_attempt(ctx, id, AttemptResult::Status(401));
                 discard(result.ok());
                 match source.refused(&used) {
                     Refusal::Replaced(_) | Refusal::Renewing => {}
@@ -1194,13 +1239,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 let status = resp.status().as_u16();
                 backend.state.set_last_status(status);
                 deployment.set_last_status(status);
-                let headers = resp.headers();
-                let hint = retry_hint(|n| headers.get(n).and_then(|v| v.to_str().ok()), now)
-                    .map(|h| h.min(snap.config.cooldown.max));
+                let signals = Signals::read(resp.headers());
+                let hint =
+                    retry_hint(|n| signals.get(n), now).map(|h| h.min(snap.config.cooldown.max));
                 // What the response says about the deployment's capacity. When it says
                 // something, the reservation ends here (the backend has counted the
                 // request); otherwise it ends with the body, corrected by its usage.
-                let h = parse_ratelimit(|n| headers.get(n).and_then(|v| v.to_str().ok()));
+                let h = parse_ratelimit(|n| signals.get(n));
                 if !h.is_empty() {
                     let policy = snap
                         .config
@@ -1242,18 +1287,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 )
             }
         };
-        let outcome_label = match attempt {
-            AttemptResult::ConnectError => Label::from("connect"),
-            AttemptResult::Status(429) => Label::from("429"),
-            AttemptResult::Status(s) => crate::metrics::status_class(s),
-        };
-        app.metrics
-            .attempts
-            .get_or_create(&vec![
-                ("backend", (&backend.cfg.name).into()),
-                ("outcome", outcome_label.clone()),
-            ])
-            .inc();
+        record_attempt(ctx, id, attempt);
         if let (Some(refused), Some(source)) = (token_refused, &backend.entra) {
             // The backend refused the newer token too. When it is recent (the usual case),
             // the identity lacks access to this resource; a replacement that was already
@@ -1357,7 +1391,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             },
             Step::Switch => {
-                pending_failover = Some((id, outcome_label.clone()));
+                pending_failover = Some((id, outcome_label(attempt)));
                 failures.push(outcome);
                 match response {
                     Some(r) if !outcome.fails_over() => {
@@ -1613,22 +1647,69 @@ fn build_upstream_request(
 
 /// Counts an answered request: by backend, status class, priority and (bounded) model;
 /// and for low priority, whether it was admitted.
-fn record_request(ctx: &Ctx<'_>, backend: Label, status: u16) {
-    let m = &ctx.app.metrics;
-    let model = ctx
-        .snap
-        .config
-        .table
-        .model_label(&ctx.req.model)
-        .to_string();
-    m.requests
-        .get_or_create(&vec![
-            ("backend", backend),
-            ("status_class", crate::metrics::status_class(status)),
-            ("priority", if ctx.low { "low" } else { "high" }.into()),
-            ("model", model.into()),
-        ])
-        .inc();
+/// Counts a request the backend at `backend` (an index of the snapshot's backends)
+/// answered with `status`; `None` when the gateway answered itself.
+fn record_request(ctx: &Ctx<'_>, backend: Option<usize>, status: u16) {
+    let table = &ctx.snap.config.table;
+    let model = table
+        .model_index(&ctx.req.model)
+        .map_or(0, |i| i as u64 + 1);
+    let key = (backend.map_or(0xffff, |b| b as u64) << 40)
+        | ((model & 0xff_ffff) << 16)
+        | (u64::from(status / 100) << 1)
+        | u64::from(ctx.low);
+    let make = || {
+        let backend = backend.map_or(Label::from("-"), |b| {
+            (&ctx.snap.backends[b].cfg.name).into()
+        });
+        ctx.app
+            .metrics
+            .requests
+            .get_or_create(&vec![
+                ("backend", backend),
+                ("status_class", crate::metrics::status_class(status)),
+                ("priority", if ctx.low { "low" } else { "high" }.into()),
+                (
+                    "model",
+                    table.model_label(&ctx.req.model).to_string().into(),
+                ),
+            ])
+            .clone()
+    };
+    ctx.snap.handles.requests.with(key, make, |c| c.inc());
+}
+
+/// An attempt's `outcome` metric label.
+fn outcome_label(attempt: AttemptResult) -> Label {
+    match attempt {
+        AttemptResult::ConnectError => Label::from("connect"),
+        AttemptResult::Status(429) => Label::from("429"),
+        AttemptResult::Status(s) => crate::metrics::status_class(s),
+    }
+}
+
+/// Counts an upstream attempt at the backend at index `id` and its outcome.
+fn record_attempt(ctx: &Ctx<'_>, id: usize, attempt: AttemptResult) {
+    let code = match attempt {
+        AttemptResult::ConnectError => 1,
+        AttemptResult::Status(429) => 2,
+        AttemptResult::Status(s) => 3 + u64::from(s / 100),
+    };
+    let outcome = outcome_label(attempt);
+    let make = || {
+        ctx.app
+            .metrics
+            .attempts
+            .get_or_create(&vec![
+                ("backend", (&ctx.snap.backends[id].cfg.name).into()),
+                ("outcome", outcome),
+            ])
+            .clone()
+    };
+    ctx.snap
+        .handles
+        .attempts
+        .with((id as u64) << 16 | code, make, |c| c.inc());
 }
 
 fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Response {
@@ -1679,12 +1760,24 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             );
             let idle = snap.config.timeouts.idle;
             let priority_label = if ctx.low { "low" } else { "high" };
-            record_request(ctx, (&b.cfg.name).into(), parts.status.as_u16());
+            record_request(ctx, Some(backend), parts.status.as_u16());
             b.state.count_served();
-            app.metrics
-                .ttfb
-                .get_or_create(&vec![("priority", priority_label.into())])
-                .observe(ctx.started.elapsed().as_secs_f64());
+            let by_priority = |family: &Family<Labels, Histogram>| {
+                family
+                    .get_or_create(&vec![("priority", priority_label.into())])
+                    .clone()
+            };
+            let handles = &snap.handles;
+            handles.ttfb.with(
+                u64::from(ctx.low),
+                || by_priority(&app.metrics.ttfb),
+                |h| h.observe(ctx.started.elapsed().as_secs_f64()),
+            );
+            let duration = handles.duration.with(
+                u64::from(ctx.low),
+                || by_priority(&app.metrics.duration),
+                Histogram::clone,
+            );
             // When the body ends: its duration, the tokens its usage reports, and (with
             // request priority) the release of the deployment's reservation, corrected by
             // that usage.
@@ -1702,11 +1795,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                         .get_or_create(&vec![("backend", labels.0), ("client", labels.1)])
                         .inc_by(u);
                 }
-                app_end
-                    .metrics
-                    .duration
-                    .get_or_create(&vec![("priority", priority_label.into())])
-                    .observe(started.elapsed().as_secs_f64());
+                duration.observe(started.elapsed().as_secs_f64());
             });
             let body = Body::new(crate::priority::UsageTap::new(
                 body, sse, json_body, strip, on_usage,
@@ -1773,7 +1862,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 ttfb_ms = elapsed_ms,
                 "request: no backend answer"
             );
-            record_request(ctx, "-".into(), err.status.as_u16());
+            record_request(ctx, None, err.status.as_u16());
             let mut resp = err.into_response();
             resp.headers_mut()
                 .insert(HEADER_ATTEMPTS, HeaderValue::from(attempts));
@@ -1867,6 +1956,55 @@ fn exhausted_error(ctx: &Ctx<'_>, failures: &[Outcome], now_ms: u64) -> GatewayE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signals_cover_every_header_the_parsers_read() {
+        let asked = std::cell::RefCell::new(Vec::new());
+        let record = |n: &str| {
+            asked.borrow_mut().push(n.to_string());
+            None
+        };
+        let _ = retry_hint(record, 0);
+        let _ = parse_ratelimit(record);
+        let asked = asked.into_inner();
+        assert!(asked.len() >= 9, "{asked:?}");
+        for n in &asked {
+            assert!(
+                SIGNAL_HEADERS.contains(&n.as_str()),
+                "{n} is read but not in SIGNAL_HEADERS"
+            );
+        }
+    }
+
+    #[test]
+    fn signals_read_what_a_header_lookup_reads() {
+        let mut h = HeaderMap::new();
+        h.append("content-type", HeaderValue::from_static("application/json"));
+        h.append(
+            "x-ratelimit-remaining-tokens",
+            HeaderValue::from_static("900"),
+        );
+        h.append(
+            "x-ratelimit-remaining-tokens",
+            HeaderValue::from_static("1"),
+        );
+        h.append("retry-after", HeaderValue::from_static("7"));
+        h.append("x-ms-retry-after-ms", HeaderValue::from_static("1500"));
+        h.append("x-ms-region", HeaderValue::from_static("Sweden Central"));
+        h.append(
+            "x-ratelimit-limit-requests",
+            HeaderValue::from_bytes(b"\xff").unwrap(),
+        );
+        let s = Signals::read(&h);
+        for n in SIGNAL_HEADERS {
+            assert_eq!(s.get(n), h.get(n).and_then(|v| v.to_str().ok()), "{n}");
+        }
+        assert_eq!(s.get("x-ratelimit-remaining-tokens"), Some("900"));
+        assert_eq!(
+            retry_hint(|n| s.get(n), 0),
+            Some(Duration::from_millis(1500))
+        );
+    }
 
     #[test]
     fn client_network_and_credentials_stay_behind() {

@@ -58,7 +58,11 @@ async fn request_id(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use tracing::Instrument;
-    let id = match req.headers().get("x-request-id").and_then(sane_request_id) {
+    let id = match req
+        .headers()
+        .get(crate::proxy::HEADER_REQUEST_ID)
+        .and_then(sane_request_id)
+    {
         Some(s) => s.to_string(),
         None => format!("{:016x}", fastrand::u64(..)),
     };
@@ -71,7 +75,7 @@ async fn request_id(
     req.extensions_mut().insert(RequestId(id.clone()));
     let span = tracing::info_span!("req", request_id = %id);
     let mut resp = next.run(req).instrument(span).await;
-    if !probe && !resp.headers().contains_key(crate::proxy::HEADER_ATTEMPTS) {
+    if !probe && !resp.headers().contains_key(&crate::proxy::HEADER_ATTEMPTS) {
         app.metrics
             .requests
             .get_or_create(&vec![
@@ -86,7 +90,8 @@ async fn request_id(
             .inc();
     }
     if let Ok(v) = http::HeaderValue::from_str(&id) {
-        resp.headers_mut().insert("x-request-id", v);
+        resp.headers_mut()
+            .insert(crate::proxy::HEADER_REQUEST_ID, v);
     }
     resp
 }
