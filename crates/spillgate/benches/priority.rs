@@ -28,7 +28,7 @@ fn gateway(
     sim: SimUpstream,
     reserve_tokens: u64,
     reserve_requests: u64,
-) -> axum::Router {
+) -> spillgate::server::Gateway {
     spillgate::sim::gateway(
         sim,
         backends,

@@ -444,7 +444,7 @@ impl<B> UsageTap<B> {
         let Some(payload) = sse_data(event) else {
             return false;
         };
-        if memchr::memmem::find(payload, USAGE_KEY).is_none() {
+        if !has_usage_key(payload) {
             return false;
         }
         let Some(total) = usage_total(payload) else {
@@ -468,7 +468,7 @@ impl<B> UsageTap<B> {
         let end = last_event_end(&buf);
         self.pending.extend_from_slice(&buf[end..]);
         let complete = buf.slice(..end);
-        if memchr::memmem::find(&complete, USAGE_KEY).is_none() {
+        if !has_usage_key(&complete) {
             return complete;
         }
         let mut out = BytesMut::with_capacity(complete.len());
@@ -501,7 +501,7 @@ impl<B> UsageTap<B> {
     /// Reads the usage of a run of complete events; most runs carry none and are
     /// settled by one search.
     fn read_events(&mut self, complete: &[u8]) {
-        if memchr::memmem::find(complete, USAGE_KEY).is_none() {
+        if !has_usage_key(complete) {
             return;
         }
         let mut rest = complete;
@@ -514,6 +514,14 @@ impl<B> UsageTap<B> {
 
 /// What marks the one chunk of a stream worth parsing.
 const USAGE_KEY: &[u8] = b"\"usage\":";
+
+/// Whether `data` contains [`USAGE_KEY`]. The searcher is built once: `memmem::find`
+/// builds one per call, which cost more than the search on a stream's small chunks.
+fn has_usage_key(data: &[u8]) -> bool {
+    static FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(USAGE_KEY));
+    FINDER.find(data).is_some()
+}
 
 /// End (exclusive) of the first complete event: after its blank line (`\n\n` or
 /// `\r\n\r\n`).

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
@@ -211,7 +211,8 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
     }
 }
 
-pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
+/// Serves one API request; `request_id` goes upstream in `x-request-id`.
+pub async fn handle(app: Arc<App>, req: Request, request_id: Option<HeaderValue>) -> Response {
     let started = tokio::time::Instant::now();
     let snap = app.snapshot.load_full();
     let (parts, body) = req.into_parts();
@@ -332,11 +333,7 @@ pub async fn handle(State(app): State<Arc<App>>, req: Request) -> Response {
     let mut fwd_headers = forward_headers(&parts.headers);
     // The backend sees the gateway's id for the request (the client's own when it sent a
     // sane one), so the two logs can be matched.
-    if let Some(v) = parts
-        .extensions
-        .get::<crate::server::RequestId>()
-        .and_then(|id| HeaderValue::from_str(&id.0).ok())
-    {
+    if let Some(v) = request_id {
         fwd_headers.insert(HEADER_REQUEST_ID, v);
     }
     let mut guard = DisconnectGuard {

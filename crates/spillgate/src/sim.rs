@@ -388,7 +388,7 @@ pub struct Second {
 /// `rates(t) -> (high per second, low per second)`, each request a task of its own, and
 /// returns what the clients saw per second (by the second each request was sent).
 pub async fn drive(
-    router: axum::Router,
+    router: crate::server::Gateway,
     seconds: u64,
     rates: impl Fn(f64) -> (f64, f64),
     body: Bytes,
@@ -481,7 +481,7 @@ pub fn gateway(
     backends: &[(&str, u32)],
     extra: &str,
     key: &str,
-) -> anyhow::Result<(Arc<crate::app::App>, axum::Router)> {
+) -> anyhow::Result<(Arc<crate::app::App>, crate::server::Gateway)> {
     let mut text = format!("[auth]\nclient_keys = [\"env:K\"]\n{extra}\n");
     for (name, priority) in backends {
         text.push_str(&format!(

@@ -704,7 +704,7 @@ const SCRIPTED_AUTH: &str = "auth = { entra = \"client-secret\", tenant_id = \"t
 /// A gateway over `up`, on paused time, and a way to send it chat requests.
 struct Paused {
     app: Arc<App>,
-    router: axum::Router,
+    router: spillgate::server::Gateway,
 }
 
 impl Paused {

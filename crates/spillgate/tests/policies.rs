@@ -172,7 +172,7 @@ impl Upstream for Fake {
 struct Gw {
     fake: Fake,
     app: Arc<App>,
-    router: axum::Router,
+    router: spillgate::server::Gateway,
 }
 
 fn gateway(backends: &[&str], extra: &str) -> Gw {

@@ -41,7 +41,7 @@ fn gateway(
     sim: SimUpstream,
     reserve_tokens: u64,
     reserve_requests: u64,
-) -> (Arc<App>, axum::Router) {
+) -> (Arc<App>, spillgate::server::Gateway) {
     spillgate::sim::gateway(
         sim,
         backends,
