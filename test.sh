@@ -144,6 +144,8 @@ cargo test --workspace --bench '*'
 # The overhead benchmark (wrk, nginx and the gateway on loopback), one short case of each
 # part, on the debug build: it fails on any error, not on any number.
 SMOKE=1 bench/overhead.sh
+# Instructions per request under callgrind, nginx and the gateway, one short JSON run.
+SMOKE=1 bench/instructions.sh
 
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 [[ $TARGET_DIR = /* ]] || TARGET_DIR=$ROOT/$TARGET_DIR

@@ -12,7 +12,8 @@
 #   to nginx and to direct, and for each proxy its CPU time per request (user+sys of its
 #   process over the run) and peak RSS;
 # - time to the first event of a stream, one stream at a time, against each target;
-# - 5,000 SSE streams open at once through spillgate: how many completed, peak RSS.
+# - 5,000 SSE streams open at once through nginx and through spillgate: how many
+#   completed, peak RSS.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -265,19 +266,31 @@ for target in direct nginx spillgate; do
     echo "| $target | $n | $complete | $p50 | $p99 | $(awk -v a="$p50" -v b="$dp50" 'BEGIN{printf "%.3f", a-b}') | $(awk -v a="$p99" -v b="$dp99" 'BEGIN{printf "%.3f", a-b}') |"
 done
 
-# Many streams open at once through a fresh gateway (so its peak RSS is theirs).
+# Many streams open at once through a fresh proxy (so its peak RSS is theirs): nginx (the
+# sum of its workers' peaks), then spillgate.
 start_mock 0 "$SCHUNKS" "$SINTERVAL"; mport=$PORT; wait_port "$mport"
-start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
-spid=$(pid_on "$sport")
-before=$(cpu_secs "$spid")
-res=$(python3 bench/streams.py concurrent "http://127.0.0.1:$sport/v1/chat/completions" "$STREAMS")
-after=$(cpu_secs "$spid")
-read -r streams peak complete incomplete cerr secs <<<"$(echo "$res" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["streams"], r["peak_open"], r["complete"], r["incomplete"], r["connect_errors"], r["seconds"])')"
 echo
-echo "| SSE streams at once through spillgate ($SCHUNKS chunks, $SINTERVAL ms apart) | most open at once | complete | incomplete or refused | seconds | spillgate peak RSS MB | spillgate CPU s |"
-echo "|---:|---:|---:|---:|---:|---:|---:|"
-echo "| $streams | $peak | $complete | $((incomplete + cerr)) | $secs | $(printf "%.1f" "$(rss_mb "$spid")") | $(awk -v a="$before" -v b="$after" 'BEGIN{printf "%.2f", b-a}') |"
-check_errors "$((streams - complete))" "concurrent streams"
+echo "| SSE streams at once ($SCHUNKS chunks, $SINTERVAL ms apart) | streams | most open at once | complete | incomplete or refused | seconds | proxy peak RSS MB | proxy CPU s |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+for target in nginx spillgate; do
+    if [[ $target == nginx ]]; then
+        start_nginx "$mport"; port=$PORT; wait_port "$port"
+        pids=$(pgrep -P "${PIDS[-1]}" | tr '\n' ' ')
+    else
+        start_spillgate "$mport"; port=$PORT; wait_port "$port"
+        pids=$(pid_on "$port")
+    fi
+    before=0; for p in $pids; do before=$(awk -v a="$before" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}'); done
+    res=$(python3 bench/streams.py concurrent "http://127.0.0.1:$port/v1/chat/completions" "$STREAMS")
+    after=0; rss=0
+    for p in $pids; do
+        after=$(awk -v a="$after" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}')
+        rss=$(awk -v a="$rss" -v b="$(rss_mb "$p")" 'BEGIN{print a+b}')
+    done
+    read -r streams peak complete incomplete cerr secs <<<"$(echo "$res" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["streams"], r["peak_open"], r["complete"], r["incomplete"], r["connect_errors"], r["seconds"])')"
+    echo "| $target | $streams | $peak | $complete | $((incomplete + cerr)) | $secs | $(printf "%.1f" "$rss") | $(awk -v a="$before" -v b="$after" 'BEGIN{printf "%.2f", b-a}') |"
+    check_errors "$((streams - complete))" "$target concurrent streams"
+done
 
 if [[ $FAILED -ne 0 ]]; then
     echo "overhead.sh: smoke run failed" >&2
