@@ -177,13 +177,14 @@ for body in "${BODIES[@]}"; do
         out="$WORK/cg-$target-$body.out"
         start_target "$target" "$out"
         load "$PORT" "$payload" "$WARM" >/dev/null
-        callgrind_control -z "$VG" >/dev/null 2>&1
+        callgrind_control -z "$VG" >/dev/null 2>&1 || true
         read -r requests errors <<<"$(load "$PORT" "$payload" "$DURATION")"
-        callgrind_control -d "$VG" >/dev/null 2>&1
+        callgrind_control -d "$VG" >/dev/null 2>&1 || true
         kill -INT "$VG" 2>/dev/null || true
         wait "$VG" 2>/dev/null || true
-        dump=$(ls "$out".* 2>/dev/null | head -1)
-        total=$(awk '/^totals:/ {print $2}' "$dump")
+        # The dump asked for with -d is "$out.1"; the one written at exit is "$out".
+        total=""
+        [[ -f $out.1 ]] && total=$(awk '/^totals:/ {print $2}' "$out.1")
         if [[ -z $total || ${requests:-0} -le 0 || ${errors:-1} -ne 0 ]]; then
             echo "instructions.sh: $target $body: ${requests:-0} requests, ${errors:-?} errors" >&2
             FAILED=1
@@ -194,7 +195,7 @@ for body in "${BODIES[@]}"; do
         [[ $target != nginx ]] && ratio=$(awk -v a="${IR[$target.$body]}" -v b="${IR[nginx.$body]:-0}" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }')
         echo "| $body | $target | $requests | ${IR[$target.$body]} | $ratio |"
         if [[ $target == spillgate && -n ${TOP:-} ]]; then
-            cp "$dump" "$WORK/top-$body.out"
+            cp "$out.1" "$WORK/top-$body.out"
             echo "$requests" >"$WORK/top-$body.n"
         fi
     done

@@ -128,6 +128,18 @@ EOF
     PORT=$port
 }
 
+# nginx's worker processes (the master listens before it forks them).
+worker_pids() { # master_pid
+    local pids=""
+    for _ in $(seq 1 100); do
+        pids=$(pgrep -P "$1" | tr '\n' ' ' || true)
+        [[ -n $pids ]] && { echo "$pids"; return 0; }
+        sleep 0.05
+    done
+    echo "nginx ($1) started no workers" >&2
+    return 1
+}
+
 wait_port() { for _ in $(seq 1 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 did not open" >&2; return 1; }
 
 cat >"$WORK/post.lua" <<'EOF'
@@ -176,7 +188,7 @@ for lat in "${LATENCIES[@]}"; do
     start_mock "$lat"; mport=$PORT; wait_port "$mport"
     start_nginx "$mport"; nport=$PORT; wait_port "$nport"
     start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
-    npid=$(pgrep -P "${PIDS[-2]}" | tr '\n' ' ')
+    npid=$(worker_pids "${PIDS[-2]}")
     spid=$(pid_on "$sport")
     for body in "${BODIES[@]}"; do
         payload=$JSON; [[ $body == sse ]] && payload=$SSE
@@ -275,7 +287,7 @@ echo "|---|---:|---:|---:|---:|---:|---:|---:|"
 for target in nginx spillgate; do
     if [[ $target == nginx ]]; then
         start_nginx "$mport"; port=$PORT; wait_port "$port"
-        pids=$(pgrep -P "${PIDS[-1]}" | tr '\n' ' ')
+        pids=$(worker_pids "${PIDS[-1]}")
     else
         start_spillgate "$mport"; port=$PORT; wait_port "$port"
         pids=$(pid_on "$port")

@@ -51,6 +51,8 @@ pub struct Coalesce<B: HttpBody> {
     /// row brought nothing.
     turns: u32,
     idle: u32,
+    /// The last poll returned `Pending` after waking its own task (a turn given away).
+    yielded: bool,
 }
 
 // Nothing here is ever pinned in place: the held error is moved out, not polled.
@@ -65,6 +67,7 @@ impl<B: HttpBody> Coalesce<B> {
             fresh: false,
             turns: 0,
             idle: 0,
+            yielded: false,
         }
     }
 }
@@ -128,6 +131,12 @@ fn release<E>(held: Held<E>) -> Option<Result<Frame<Bytes>, E>> {
     }
 }
 
+impl<B: HttpBody> crate::idle::Yields for Coalesce<B> {
+    fn yielded(&self) -> bool {
+        self.yielded
+    }
+}
+
 impl<B> HttpBody for Coalesce<B>
 where
     B: HttpBody<Data = Bytes> + Unpin,
@@ -140,6 +149,7 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = &mut *self;
+        this.yielded = false;
         if let Some(held) = this.held.take() {
             return Poll::Ready(release(held));
         }
@@ -178,6 +188,7 @@ where
                         // one already; this task runs again right after.
                         this.fresh = false;
                         this.turns += 1;
+                        this.yielded = true;
                         cx.waker().wake_by_ref();
                         return Poll::Pending;
                     }

@@ -13,6 +13,7 @@ pub mod demo;
 pub mod entra;
 pub mod errors;
 pub mod health;
+pub mod idle;
 pub mod metrics;
 pub mod priority;
 pub mod proxy;

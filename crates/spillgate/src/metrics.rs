@@ -287,7 +287,6 @@ impl Metrics {
     }
 }
 
-/// `2xx`, `4xx`, ... for a status.
 /// Handles to one family's series, found by a small key the caller packs from indices
 /// (backend, status class, priority...) rather than by building and SipHashing a label
 /// vector on every update, the biggest cost of a metric update on the request path. A
@@ -330,8 +329,9 @@ impl<M: Clone> HandleCache<M> {
     }
 }
 
-/// Hashes the `u64` keys of [`HandleCache`]: one multiply spreads the packed fields over
-/// the bits the table uses.
+/// Hashes the `u64` keys of [`HandleCache`]: a multiply, then the high half folded into
+/// the low one (the table picks buckets by the low bits, which a product alone leaves
+/// depending on the key's low bits only).
 #[derive(Default)]
 pub struct KeyHasher(u64);
 
@@ -345,7 +345,8 @@ impl Hasher for KeyHasher {
         }
     }
     fn write_u64(&mut self, n: u64) {
-        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let x = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = x ^ (x >> 32);
     }
 }
 
@@ -358,6 +359,7 @@ pub struct RequestHandles {
     pub duration: HandleCache<Histogram>,
 }
 
+/// `2xx`, `4xx`, ... for a status.
 pub fn status_class(status: u16) -> Label {
     match status / 100 {
         1 => "1xx".into(),

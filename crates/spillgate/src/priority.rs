@@ -139,7 +139,8 @@ pub fn estimate_tokens(body: &[u8], operation: &str, default_max_tokens: u64) ->
 }
 
 /// A cheap estimate for every request when `[priority]` is off: body bytes / 4 plus the
-/// completion allowance (`max_tokens` x `n`, 0 when unset). Good enough to pass over a
+/// completion allowance (`max_tokens` x `n`, 0 when unset). Each field is read on its
+/// own: one of the wrong type counts as unset, and of duplicates the first counts. Good enough to pass over a
 /// deployment whose tracked capacity clearly cannot take the request.
 pub fn cheap_estimate(body: &[u8], operation: &str) -> u64 {
     let prompt = (body.len() as u64).div_ceil(4);
@@ -349,29 +350,36 @@ fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> b
 const JSON_TAP_LIMIT: usize = 4 * 1024 * 1024;
 
 /// A JSON response body kept aside to read its `usage` at the end: most arrive in one
-/// chunk, kept by reference; only a body in several chunks is copied together.
+/// chunk, kept by reference; only a body in several chunks is copied together. A body
+/// larger than [`JSON_TAP_LIMIT`] is not kept at all (its usage is not read).
 enum JsonCopy {
     Empty,
     One(Bytes),
     Many(Vec<u8>),
+    TooLarge,
 }
 
 impl JsonCopy {
     fn len(&self) -> usize {
         match self {
-            JsonCopy::Empty => 0,
+            JsonCopy::Empty | JsonCopy::TooLarge => 0,
             JsonCopy::One(b) => b.len(),
             JsonCopy::Many(v) => v.len(),
         }
     }
 
-    /// Adds a chunk, up to [`JSON_TAP_LIMIT`] bytes in all (the rest is not kept).
+    /// Adds a chunk; past [`JSON_TAP_LIMIT`] bytes in all, drops what it kept and keeps
+    /// nothing more (a copy with a gap could be misread).
     fn add(&mut self, data: &Bytes) {
+        if matches!(self, JsonCopy::TooLarge) {
+            return;
+        }
         if self.len() + data.len() > JSON_TAP_LIMIT {
+            *self = JsonCopy::TooLarge;
             return;
         }
         *self = match std::mem::replace(self, JsonCopy::Empty) {
-            JsonCopy::Empty => JsonCopy::One(data.clone()),
+            JsonCopy::Empty | JsonCopy::TooLarge => JsonCopy::One(data.clone()),
             JsonCopy::One(first) => {
                 let mut v = Vec::with_capacity(first.len() + data.len());
                 v.extend_from_slice(&first);
@@ -428,7 +436,7 @@ impl<B> UsageTap<B> {
     fn finish(&mut self) {
         if !self.sse && self.usage.is_none() {
             self.usage = match &self.json {
-                JsonCopy::Empty => None,
+                JsonCopy::Empty | JsonCopy::TooLarge => None,
                 JsonCopy::One(b) => usage_total(b),
                 JsonCopy::Many(v) => usage_total(v),
             };
@@ -714,6 +722,19 @@ mod tests {
                     .prop_map(|kv| serde_json::Value::Object(kv.into_iter().collect())),
             ]
         })
+    }
+
+    #[test]
+    fn a_json_body_past_the_tap_limit_is_not_read_for_usage() {
+        let mut c = JsonCopy::Empty;
+        c.add(&Bytes::from(vec![b' '; JSON_TAP_LIMIT - 10]));
+        c.add(&Bytes::from(vec![b' '; 20]));
+        c.add(&Bytes::from_static(br#"{"usage":{"total_tokens":5}}"#));
+        assert!(matches!(c, JsonCopy::TooLarge));
+        let mut small = JsonCopy::Empty;
+        small.add(&Bytes::from_static(br#"{"usage":"#));
+        small.add(&Bytes::from_static(br#"{"total_tokens":5}}"#));
+        assert!(matches!(&small, JsonCopy::Many(v) if usage_total(v) == Some(5)));
     }
 
     /// The cheap estimate as a full parse computes it.

@@ -26,7 +26,6 @@ use spillgate_core::request::{
 };
 use spillgate_core::retry::{AttemptResult, BudgetState};
 use spillgate_core::routing::{BackendId, RouteId};
-use tower_http::timeout::TimeoutBody;
 
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
@@ -1798,7 +1797,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 body, sse, json_body, strip, on_usage,
             ));
             let body = crate::coalesce::Coalesce::new(body);
-            let mut resp = Response::new(Body::new(TimeoutBody::new(idle, body)));
+            let mut resp = Response::new(Body::new(crate::idle::IdleTimeout::new(idle, body)));
             *resp.status_mut() = parts.status;
             *resp.headers_mut() = headers;
             resp

@@ -1418,3 +1418,51 @@ async fn during_the_shutdown_delay_readyz_says_503_before_connections_are_refuse
     );
     drop(mocks);
 }
+
+/// `timeouts.idle` bounds the silence between two chunks of a response body, not its
+/// length: a stream whose chunks come closer than that runs to its end, one that stalls
+/// longer is cut after the chunks it had.
+#[tokio::test]
+async fn the_idle_timeout_cuts_a_stalled_stream_and_spares_a_long_one() {
+    let stream = r#"{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    // 6 chunks 500 ms apart: about 3 s, three times the longer idle time.
+    for (idle, complete) in [("1s", true), ("150ms", false)] {
+        let mock = MockBackend::start(MockConfig {
+            name: "p1".into(),
+            expect_api_key: Some(BACKEND_KEYS[0].into()),
+            stream_chunks: 6,
+            chunk_interval: Duration::from_millis(500),
+            ..MockConfig::default()
+        })
+        .await
+        .unwrap();
+        let extra = format!("[timeouts]\nidle = \"{idle}\"\n");
+        let env = Env::start_with(vec![b("p1", 1)], vec![mock], "", &extra).await;
+        let resp = env
+            .client
+            .request(
+                env.request("POST", "/v1/chat/completions", stream)
+                    .body(Full::new(Bytes::from(stream)))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "idle {idle}");
+        let mut body = resp.into_body();
+        let (mut got, mut failed) = (Vec::new(), false);
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => got.extend_from_slice(f.data_ref().map_or(&[][..], |d| &d[..])),
+                Err(_) => {
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        let text = String::from_utf8_lossy(&got);
+        let done = text.contains("data: [DONE]");
+        assert_eq!((done, failed), (complete, !complete), "idle {idle}: {text}");
+        // The chunks that came before the silence reached the client.
+        assert!(text.starts_with("data: {"), "idle {idle}: {text}");
+    }
+}
