@@ -270,21 +270,39 @@ pub async fn start_on(
                 }
             };
             let _ = stream.set_nodelay(true);
-            let conn = http.serve_connection(
-                TokioIo::new(stream),
-                TowerToHyperService::new(service.clone()),
-            );
-            let conn = graceful.watch(conn);
-            let serve = async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "client connection ended with an error");
-                }
-                drop(permit);
-            };
+            let service = TowerToHyperService::new(service.clone());
+            let watcher = graceful.watcher();
             match &workers {
-                Some(w) => w.spawn(serve),
+                Some(w) => {
+                    // The socket moves to the connection thread's own reactor: registered
+                    // with this runtime's, every readiness event of the connection would
+                    // be picked up here and handed across threads.
+                    let stream = match stream.into_std() {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not hand a connection over");
+                            continue;
+                        }
+                    };
+                    let http = http.clone();
+                    w.spawn(async move {
+                        let stream = match tokio::net::TcpStream::from_std(stream) {
+                            Ok(s) => s,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "could not take a connection over");
+                                return;
+                            }
+                        };
+                        serve_connection(&http, stream, service, watcher).await;
+                        drop(permit);
+                    });
+                }
                 None => {
-                    tokio::spawn(serve);
+                    let http = http.clone();
+                    tokio::spawn(async move {
+                        serve_connection(&http, stream, service, watcher).await;
+                        drop(permit);
+                    });
                 }
             }
         }
@@ -307,6 +325,19 @@ pub async fn start_on(
         stop,
         task,
     })
+}
+
+/// Serves one client connection to its end, or until a graceful shutdown closes it.
+async fn serve_connection(
+    http: &hyper::server::conn::http1::Builder,
+    stream: tokio::net::TcpStream,
+    service: TowerToHyperService<Gateway>,
+    watcher: hyper_util::server::graceful::Watcher,
+) {
+    let conn = http.serve_connection(TokioIo::new(stream), service);
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::debug!(error = %e, "client connection ended with an error");
+    }
 }
 
 /// One single-threaded runtime per core, each serving the connections handed to it from
