@@ -62,7 +62,9 @@ pub fn set_pool_slot(slot: usize) {
 }
 
 pub struct UpstreamClient {
-    connect_timeout: Duration,
+    /// Built once and shared by the pools: building it reads and parses the system's CA
+    /// store, milliseconds that each connection thread's first request used to wait for.
+    connector: HttpsConnector<HttpConnector>,
     /// Built on first use by a thread of that slot.
     pools: Box<[OnceLock<HttpClient>]>,
 }
@@ -70,7 +72,7 @@ pub struct UpstreamClient {
 impl UpstreamClient {
     pub fn new(timeouts: &Timeouts) -> UpstreamClient {
         UpstreamClient {
-            connect_timeout: timeouts.connect,
+            connector: build_connector(timeouts.connect),
             pools: (0..MAX_POOLS).map(|_| OnceLock::new()).collect(),
         }
     }
@@ -78,11 +80,11 @@ impl UpstreamClient {
     fn client(&self) -> &HttpClient {
         // `set_pool_slot` keeps slots below MAX_POOLS, the length of `pools`.
         let slot = POOL_SLOT.with(std::cell::Cell::get) % MAX_POOLS;
-        self.pools[slot].get_or_init(|| build_client(self.connect_timeout))
+        self.pools[slot].get_or_init(|| build_client(self.connector.clone()))
     }
 }
 
-fn build_client(connect_timeout: Duration) -> HttpClient {
+fn build_connector(connect_timeout: Duration) -> HttpsConnector<HttpConnector> {
     // The first-byte timeout is applied per request (it may be cut short by a request's
     // deadline); only the connect timeout lives in the connector.
     let mut http = HttpConnector::new();
@@ -99,11 +101,14 @@ fn build_client(connect_timeout: Duration) -> HttpClient {
             hyper_rustls::HttpsConnectorBuilder::new().with_webpki_roots()
         }
     };
-    let https = builder
+    builder
         .https_or_http()
         .enable_http1()
         .enable_http2()
-        .wrap_connector(http);
+        .wrap_connector(http)
+}
+
+fn build_client(https: HttpsConnector<HttpConnector>) -> HttpClient {
     Client::builder(TokioExecutor::new())
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
