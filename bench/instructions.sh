@@ -15,19 +15,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 
-APT_UPDATED=0
-need() {
-    if ! command -v "$1" >/dev/null 2>&1 && ! [[ -x /usr/sbin/$1 ]]; then
-        echo "installing $2" >&2
-        local sudo=()
-        [[ $(id -u) -ne 0 ]] && sudo=(sudo -n)
-        if [[ $APT_UPDATED -eq 0 ]]; then
-            "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq </dev/null >/dev/null
-            APT_UPDATED=1
-        fi
-        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" </dev/null >/dev/null
-    fi
-}
+. bench/lib.sh
 need valgrind valgrind
 need wrk wrk
 need nginx nginx-light
@@ -37,46 +25,15 @@ WARM=2
 DURATION=${DURATION:-5}
 BODIES=(json sse)
 if [[ -n ${SMOKE:-} ]]; then
-    cargo build -q -p spillgate -p spillgate-mock
-    BIN=${CARGO_TARGET_DIR:-$ROOT/target}/debug
     WARM=1
     DURATION=1
     BODIES=(json)
-else
-    cargo build -q --release -p spillgate -p spillgate-mock
-    BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
 fi
+build_bins
 
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 1 600); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 did not open" >&2; return 1; }
-
-MPORT=$(free_port)
-"$BIN/spillgate-mock" --listen "127.0.0.1:$MPORT" --name bench --latency-ms 0 \
-    --stream-chunks 100 --no-record-requests >/dev/null 2>"$WORK/mock.log" &
-PIDS+=($!)
+start_mock 0
+MPORT=$PORT
 wait_port "$MPORT"
-
-cat >"$WORK/post.lua" <<'EOF'
-wrk.method = "POST"
-wrk.body = os.getenv("BODY")
-wrk.headers["Content-Type"] = "application/json"
-done = function(summary, latency, requests)
-  local errors = summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.status + summary.errors.timeout
-  io.write(string.format("RESULT %d %d\n", summary.requests, errors))
-end
-EOF
-
-JSON='{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}'
-SSE='{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}'
 
 # Starts one target under callgrind; sets PORT and VG (valgrind's pid).
 start_target() { # target out
@@ -85,63 +42,23 @@ start_target() { # target out
         --compress-strings=no --compress-pos=no)
     case $1 in
         spillgate)
-            cat >"$WORK/spillgate.toml" <<EOF
-[server]
-listen = "127.0.0.1:$PORT"
-[admin]
-enabled = false
-[auth]
-mode = "none"
-[log]
-level = "warn"
-[[backends]]
-name = "tier1"
-kind = "openai"
-url = "http://127.0.0.1:$MPORT/v1"
-priority = 1
-[[backends]]
-name = "tier2"
-kind = "openai"
-url = "http://127.0.0.1:$MPORT/v1"
-priority = 2
-EOF
+            spillgate_toml "$WORK/spillgate.toml" "$PORT" "$MPORT"
             "${cg[@]}" "$BIN/spillgate" --config "$WORK/spillgate.toml" >/dev/null 2>"$WORK/spillgate.log" &
             ;;
         nginx)
-            mkdir -p "$WORK/nginx"
-            cat >"$WORK/nginx/nginx.conf" <<EOF
-worker_processes 1;
-master_process off;
-daemon off;
-pid $WORK/nginx/nginx.pid;
-error_log $WORK/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off;
-    upstream backend { server 127.0.0.1:$MPORT; keepalive 256; }
-    server {
-        listen 127.0.0.1:$PORT;
-        location / {
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }
-    }
-}
-EOF
+            nginx_conf "$WORK/nginx" "$PORT" "$MPORT" single
             "${cg[@]}" nginx -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" >/dev/null 2>"$WORK/nginx.log" &
             ;;
     esac
     VG=$!
     PIDS+=($VG)
-    wait_port "$PORT"
+    wait_port "$PORT" 60
 }
 
 # wrk for a while -> "requests errors"
 load() { # port body seconds
     BODY="$2" wrk -t1 -c4 -d"$3s" --timeout 30s -s "$WORK/post.lua" "http://127.0.0.1:$1/v1/chat/completions" 2>/dev/null |
-        awk '/^RESULT/ {print $2, $3}'
+        awk '/^RESULT/ {print $2, $7}'
 }
 
 # Self cost per function of a callgrind dump, costliest first.

@@ -23,78 +23,19 @@ if [[ -n ${SMOKE:-} ]]; then
     DURATION=2
 fi
 
-APT_UPDATED=0
-need() {
-    if ! command -v "$1" >/dev/null 2>&1 && ! [[ -x /usr/sbin/$1 ]]; then
-        echo "installing $2" >&2
-        local sudo=()
-        [[ $(id -u) -ne 0 ]] && sudo=(sudo -n)
-        if [[ $APT_UPDATED -eq 0 ]]; then
-            "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq </dev/null >/dev/null
-            APT_UPDATED=1
-        fi
-        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" </dev/null >/dev/null
-    fi
-}
+. bench/lib.sh
 need wrk wrk
 need nginx nginx-light
 export PATH=$PATH:/usr/sbin
 
-if [[ -n ${SMOKE:-} ]]; then
-    # Numbers from a smoke run mean nothing; the debug build ./test.sh already has will do.
-    cargo build -q -p spillgate -p spillgate-mock
-    BIN=${CARGO_TARGET_DIR:-$ROOT/target}/debug
-else
-    cargo build -q --release -p spillgate -p spillgate-mock
-    BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
-fi
+build_bins
 FAILED=0
-
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # The start_* functions run in this shell (not in $(...)) so that PIDS keeps every
 # process for cleanup; each sets PORT to where it listens.
-start_mock() { # latency_ms [stream_chunks [chunk_interval_ms]]
-    local port; port=$(free_port)
-    "$BIN/spillgate-mock" --listen "127.0.0.1:$port" --name bench --latency-ms "$1" \
-        --stream-chunks "${2:-100}" --chunk-interval-ms "${3:-0}" --no-record-requests \
-        >/dev/null 2>"$WORK/mock-$port.log" &
-    PIDS+=($!)
-    PORT=$port
-}
-
 start_nginx() { # backend_port
     local port; port=$(free_port)
-    mkdir -p "$WORK/nginx-$1"
-    cat >"$WORK/nginx-$1/nginx.conf" <<EOF
-worker_processes auto;
-worker_rlimit_nofile 65536;
-pid $WORK/nginx-$1/nginx.pid;
-error_log $WORK/nginx-$1/error.log warn;
-events { worker_connections 20000; }
-http {
-    access_log off;
-    upstream backend { server 127.0.0.1:$1; keepalive 256; }
-    server {
-        listen 127.0.0.1:$port;
-        location / {
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }
-    }
-}
-EOF
+    nginx_conf "$WORK/nginx-$1" "$port" "$1"
     nginx -c "$WORK/nginx-$1/nginx.conf" -p "$WORK/nginx-$1" -g 'daemon off;' >/dev/null 2>&1 &
     PIDS+=($!)
     PORT=$port
@@ -102,27 +43,7 @@ EOF
 
 start_spillgate() { # backend_port
     local port; port=$(free_port)
-    cat >"$WORK/spillgate-$1.toml" <<EOF
-[server]
-listen = "127.0.0.1:$port"
-max_connections = 20000
-[admin]
-enabled = false
-[auth]
-mode = "none"
-[log]
-level = "warn"
-[[backends]]
-name = "tier1"
-kind = "openai"
-url = "http://127.0.0.1:$1/v1"
-priority = 1
-[[backends]]
-name = "tier2"
-kind = "openai"
-url = "http://127.0.0.1:$1/v1"
-priority = 2
-EOF
+    spillgate_toml "$WORK/spillgate-$1.toml" "$port" "$1"
     "$BIN/spillgate" --config "$WORK/spillgate-$1.toml" >/dev/null 2>"$WORK/spillgate-$1.log" &
     PIDS+=($!)
     PORT=$port
@@ -139,22 +60,6 @@ worker_pids() { # master_pid
     echo "nginx ($1) started no workers" >&2
     return 1
 }
-
-wait_port() { for _ in $(seq 1 100); do (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 did not open" >&2; return 1; }
-
-cat >"$WORK/post.lua" <<'EOF'
-wrk.method = "POST"
-wrk.body = os.getenv("BODY")
-wrk.headers["Content-Type"] = "application/json"
-done = function(summary, latency, requests)
-  local errors = summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.status + summary.errors.timeout
-  io.write(string.format("RESULT %d %d %.3f %.3f %.3f %d\n", summary.requests, summary.duration,
-    latency:percentile(50) / 1000, latency:percentile(99) / 1000, latency:percentile(99.9) / 1000, errors))
-end
-EOF
-
-JSON='{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}'
-SSE='{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}'
 
 # CPU seconds (user+sys) of a process, and its peak RSS in MB.
 cpu_secs() { awk -v t="$(getconf CLK_TCK)" '{print ($14+$15)/t}' "/proc/$1/stat"; }

@@ -430,3 +430,13 @@ def stack(tmp_path: Path, spillgate_bin: Path, mock_bin: Path) -> Iterable[Stack
             stack_obj.close_clients()
         for proc in reversed(started):
             proc.stop()
+
+
+def run_check(
+    spillgate_bin: Path, config: Path, env: dict[str, str], probe: bool = False, timeout: float = 30
+) -> subprocess.CompletedProcess:
+    """`spillgate check [--probe] --config CONFIG` with `env`, its output captured."""
+    args = [str(spillgate_bin), "check"] + (["--probe"] if probe else []) + ["--config", str(config)]
+    return subprocess.run(
+        args, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
+    )

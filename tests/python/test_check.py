@@ -12,6 +12,7 @@ from conftest import (
     PTU_KEY_VAR,
     child_env,
     gateway_toml,
+    run_check,
 )
 
 ENV = child_env(
@@ -26,14 +27,7 @@ ENV = child_env(
 def check(
     spillgate_bin: Path, config: Path, env: dict[str, str] = ENV
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(spillgate_bin), "check", "--config", str(config)],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    return run_check(spillgate_bin, config, env)
 
 
 def valid_toml() -> str:

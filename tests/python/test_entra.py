@@ -28,6 +28,7 @@ from conftest import (
     child_env,
     header,
     http_json,
+    run_check,
 )
 
 MESSAGES = [{"role": "user", "content": "Say hello"}]
@@ -275,24 +276,11 @@ def test_identity_endpoint_down_cools_the_backend_and_the_keyed_one_serves(
 
 
 def probe(entra: EntraStack, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(entra.spillgate_bin), "check", "--probe", "--config", str(entra.config_path)],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_check(entra.spillgate_bin, entra.config_path, env, probe=True, timeout=60)
 
 
 def test_check_shows_credentials_and_probe_obtains_a_token(entra: EntraStack) -> None:
-    out = subprocess.run(
-        [str(entra.spillgate_bin), "check", "--config", str(entra.config_path)],
-        env=entra.env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = run_check(entra.spillgate_bin, entra.config_path, entra.env)
     assert out.returncode == 0, out.stderr
     assert "Entra ID token (Authorization: Bearer): managed identity (system-assigned)" in out.stdout
     assert "API key (api-key header)" in out.stdout

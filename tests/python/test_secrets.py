@@ -4,12 +4,11 @@ never into the gateway's log."""
 
 from __future__ import annotations
 
-import subprocess
 from typing import Any
 
 import openai
 
-from conftest import CHAT_MODEL, EMBEDDING_MODEL, Stack, http_json, throttled_reply
+from conftest import CHAT_MODEL, EMBEDDING_MODEL, Stack, http_json, run_check, throttled_reply
 
 MESSAGES = [{"role": "user", "content": "Say hello"}]
 
@@ -123,13 +122,7 @@ def test_backend_keys_never_reach_the_log(stack: Stack) -> None:
 
 
 def test_check_does_not_print_keys(stack: Stack) -> None:
-    out = subprocess.run(
-        [str(stack.spillgate_bin), "check", "--config", str(stack.config_path)],
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = run_check(stack.spillgate_bin, stack.config_path, stack.env)
     assert out.returncode == 0, out.stderr
     for key in stack.backend_keys + [stack.client_key]:
         assert key not in out.stdout + out.stderr

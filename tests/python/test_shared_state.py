@@ -27,6 +27,7 @@ from conftest import (
     child_env,
     gateway_toml,
     http_json,
+    run_check,
     throttled_reply,
 )
 
@@ -215,10 +216,8 @@ def test_check_probe_connects_with_the_password_from_env(
     base = {CLIENT_KEY_VAR: "c", PTU_KEY_VAR: "p", PAYGO_KEY_VAR: "q"}
 
     def probe(password: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(spillgate_bin), "check", "--probe", "--config", str(config)],
-            env=child_env({**base, REDIS_PASSWORD_VAR: password}),
-            capture_output=True, text=True, timeout=30,
+        return run_check(
+            spillgate_bin, config, child_env({**base, REDIS_PASSWORD_VAR: password}), probe=True
         )
 
     ok = probe(redis.password)

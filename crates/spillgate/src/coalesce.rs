@@ -33,16 +33,67 @@ enum Held<E> {
     End,
 }
 
-enum Gathered {
-    None,
-    /// One chunk, kept without copying in case it stays alone.
+/// Chunks joined into one run of bytes: a lone chunk is kept as it came (no copy), a
+/// second one starts a copy. Also what the usage tap keeps of a JSON body.
+#[derive(Default)]
+pub enum Joined {
+    #[default]
+    Empty,
     One(Bytes),
     Many(BytesMut),
 }
 
+impl Joined {
+    pub fn len(&self) -> usize {
+        match self {
+            Joined::Empty => 0,
+            Joined::One(b) => b.len(),
+            Joined::Many(b) => b.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn push(&mut self, data: Bytes) {
+        *self = match std::mem::take(self) {
+            Joined::Empty => Joined::One(data),
+            Joined::One(first) => {
+                let mut buf = BytesMut::with_capacity((first.len() + data.len()).max(4096));
+                buf.extend_from_slice(&first);
+                buf.extend_from_slice(&data);
+                Joined::Many(buf)
+            }
+            Joined::Many(mut buf) => {
+                buf.extend_from_slice(&data);
+                Joined::Many(buf)
+            }
+        };
+    }
+
+    /// The bytes joined so far.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Joined::Empty => &[],
+            Joined::One(b) => b,
+            Joined::Many(b) => b,
+        }
+    }
+
+    /// The joined bytes, leaving it empty (`None` when it was).
+    pub fn take(&mut self) -> Option<Bytes> {
+        match std::mem::take(self) {
+            Joined::Empty => None,
+            Joined::One(b) => Some(b),
+            Joined::Many(b) => Some(b.freeze()),
+        }
+    }
+}
+
 pub struct Coalesce<B: HttpBody> {
     inner: B,
-    gathered: Gathered,
+    gathered: Joined,
     /// What the inner body gave after bytes were gathered: returned after them.
     held: Option<Held<B::Error>>,
     /// A chunk arrived since the last turn given away.
@@ -62,7 +113,7 @@ impl<B: HttpBody> Coalesce<B> {
     pub fn new(inner: B) -> Self {
         Coalesce {
             inner,
-            gathered: Gathered::None,
+            gathered: Joined::Empty,
             held: None,
             fresh: false,
             turns: 0,
@@ -76,40 +127,12 @@ impl<B> Coalesce<B>
 where
     B: HttpBody<Data = Bytes>,
 {
-    fn gathered_len(&self) -> usize {
-        match &self.gathered {
-            Gathered::None => 0,
-            Gathered::One(b) => b.len(),
-            Gathered::Many(b) => b.len(),
-        }
-    }
-
-    fn gather(&mut self, data: Bytes) {
-        self.gathered = match std::mem::replace(&mut self.gathered, Gathered::None) {
-            Gathered::None => Gathered::One(data),
-            Gathered::One(first) => {
-                let mut buf = BytesMut::with_capacity((first.len() + data.len()).max(4096));
-                buf.extend_from_slice(&first);
-                buf.extend_from_slice(&data);
-                Gathered::Many(buf)
-            }
-            Gathered::Many(mut buf) => {
-                buf.extend_from_slice(&data);
-                Gathered::Many(buf)
-            }
-        };
-    }
-
     /// The gathered bytes as one frame (`None` when nothing is gathered).
     fn flush(&mut self) -> Option<Frame<Bytes>> {
         self.fresh = false;
         self.turns = 0;
         self.idle = 0;
-        match std::mem::replace(&mut self.gathered, Gathered::None) {
-            Gathered::None => None,
-            Gathered::One(b) => Some(Frame::data(b)),
-            Gathered::Many(b) => Some(Frame::data(b.freeze())),
-        }
+        self.gathered.take().map(Frame::data)
     }
 
     /// Returns what was gathered, keeping `held` for the next poll; or `held` itself
@@ -158,12 +181,12 @@ where
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) => {
                         // The whole body in one frame (a JSON answer): no turn to wait for.
-                        if matches!(this.gathered, Gathered::None) && this.inner.is_end_stream() {
+                        if this.gathered.is_empty() && this.inner.is_end_stream() {
                             return Poll::Ready(Some(Ok(Frame::data(data))));
                         }
-                        this.gather(data);
+                        this.gathered.push(data);
                         this.fresh = true;
-                        if this.gathered_len() >= MAX_GATHER {
+                        if this.gathered.len() >= MAX_GATHER {
                             return Poll::Ready(this.flush().map(Ok));
                         }
                     }
@@ -179,7 +202,7 @@ where
                 Poll::Ready(Some(Err(e))) => return this.flush_then(Held::Err(e)),
                 Poll::Ready(None) => return this.flush_then(Held::End),
                 Poll::Pending => {
-                    if matches!(this.gathered, Gathered::None) {
+                    if this.gathered.is_empty() {
                         return Poll::Pending;
                     }
                     if (this.fresh || this.idle < PATIENCE) && this.turns < MAX_TURNS {
@@ -199,7 +222,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        matches!(self.gathered, Gathered::None)
+        self.gathered.is_empty()
             && match &self.held {
                 Some(Held::End) => true,
                 Some(_) => false,
@@ -209,7 +232,7 @@ where
 
     fn size_hint(&self) -> SizeHint {
         let mut hint = self.inner.size_hint();
-        let extra = self.gathered_len() as u64;
+        let extra = self.gathered.len() as u64;
         hint.set_lower(hint.lower().saturating_add(extra));
         if let Some(upper) = hint.upper() {
             hint.set_upper(upper.saturating_add(extra));

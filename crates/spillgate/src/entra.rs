@@ -286,6 +286,19 @@ fn refresh_at(now: Instant, lifetime: Duration) -> Instant {
     }
 }
 
+/// Waits (up to `max_wait`) until the fetch count in `rx` passes `seen`.
+async fn wait_past(
+    rx: &mut tokio::sync::watch::Receiver<u64>,
+    seen: u64,
+    max_wait: Duration,
+) -> Result<(), TokenError> {
+    match tokio::time::timeout(max_wait, rx.wait_for(|n| *n > seen)).await {
+        Err(_) => Err(TokenError::Timeout(max_wait)),
+        Ok(Err(_)) => Err(TokenError::Unavailable(Arc::from("token renewal stopped"))),
+        Ok(Ok(_)) => Ok(()),
+    }
+}
+
 impl TokenSource {
     pub fn new(auth: EntraAuth, fetcher: Arc<dyn FetchToken>) -> Arc<TokenSource> {
         let label = Arc::from(format!("{} for {}", auth.credential.describe(), auth.scope));
@@ -484,11 +497,7 @@ impl TokenSource {
                 _ => return Err(TokenError::Unavailable(self.last_error(&inner))),
             }
         };
-        match tokio::time::timeout(max_wait, rx.wait_for(|n| *n > target)).await {
-            Err(_) => return Err(TokenError::Timeout(max_wait)),
-            Ok(Err(_)) => return Err(TokenError::Unavailable(Arc::from("token renewal stopped"))),
-            Ok(Ok(_)) => {}
-        }
+        wait_past(&mut rx, target, max_wait).await?;
         newer().ok_or_else(|| TokenError::Unavailable(self.last_error(&lock(&self.inner))))
     }
 
@@ -518,11 +527,7 @@ impl TokenSource {
             }
         }
         self.wake.notify_one();
-        match tokio::time::timeout(max_wait, rx.wait_for(|n| *n > seen)).await {
-            Err(_) => return Err(TokenError::Timeout(max_wait)),
-            Ok(Err(_)) => return Err(TokenError::Unavailable(Arc::from("token renewal stopped"))),
-            Ok(Ok(_)) => {}
-        }
+        wait_past(&mut rx, seen, max_wait).await?;
         self.current()
             .ok_or_else(|| TokenError::Unavailable(self.last_error(&lock(&self.inner))))
     }
@@ -1390,48 +1395,7 @@ mod tests {
         assert!(!events.unavailable.lock().unwrap().is_empty());
     }
 
-    /// Log lines written while the guard lives, at debug level. Every async test here
-    /// holds one: `tracing` caches whether a log statement is enabled the first time it
-    /// runs, from the subscribers that exist then, so a test without a subscriber could
-    /// hide a line from a test that reads it, when both run at once.
-    #[derive(Clone, Default)]
-    struct Logs(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Logs {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
-        type Writer = Logs;
-        fn make_writer(&'a self) -> Logs {
-            self.clone()
-        }
-    }
-
-    impl Logs {
-        fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
-            let logs = Logs::default();
-            let subscriber = tracing_subscriber::fmt()
-                .with_writer(logs.clone())
-                .with_max_level(tracing::Level::DEBUG)
-                .with_ansi(false)
-                .finish();
-            (logs.clone(), tracing::subscriber::set_default(subscriber))
-        }
-        fn lines(&self, level: &str, text: &str) -> Vec<String> {
-            String::from_utf8_lossy(&self.0.lock().unwrap())
-                .lines()
-                .filter(|l| l.contains(level) && l.contains(text))
-                .map(str::to_string)
-                .collect()
-        }
-    }
+    use crate::test_logs::Logs;
 
     fn renew(
         s: &Arc<TokenSource>,

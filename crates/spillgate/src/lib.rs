@@ -24,6 +24,9 @@ pub mod state;
 pub mod store;
 pub mod upstream;
 
+#[cfg(test)]
+mod test_logs;
+
 use spillgate_core::config::{Config, ConfigErrors};
 
 /// Loads a config file's text, resolving `env:` secrets from the process environment and

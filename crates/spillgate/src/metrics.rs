@@ -260,14 +260,7 @@ impl Metrics {
             self.store_connected
                 .get_or_create(&vec![("store", store.kind.into())])
                 .set(i64::from(connected));
-            for (kind, n) in [
-                ("sent", store.sent),
-                ("received", store.received),
-                ("rejected", store.rejected),
-                ("errors", store.errors),
-                ("dropped", store.dropped),
-                ("local_decisions", store.local_decisions),
-            ] {
+            for (kind, n) in store.counters() {
                 // The store counts; the counter catches up with it (the store is chosen at
                 // start, so its series never go away).
                 let c = self

@@ -16,6 +16,8 @@ use std::sync::OnceLock;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
+
+use crate::coalesce::Joined;
 use http::HeaderMap;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use serde::Deserialize;
@@ -349,48 +351,14 @@ fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> b
 /// Largest non-streamed response body kept aside to read its `usage`.
 const JSON_TAP_LIMIT: usize = 4 * 1024 * 1024;
 
-/// A JSON response body kept aside to read its `usage` at the end: most arrive in one
-/// chunk, kept by reference; only a body in several chunks is copied together. A body
-/// larger than [`JSON_TAP_LIMIT`] is not kept at all (its usage is not read).
-enum JsonCopy {
-    Empty,
-    One(Bytes),
-    Many(Vec<u8>),
-    TooLarge,
-}
-
-impl JsonCopy {
-    fn len(&self) -> usize {
-        match self {
-            JsonCopy::Empty | JsonCopy::TooLarge => 0,
-            JsonCopy::One(b) => b.len(),
-            JsonCopy::Many(v) => v.len(),
+/// Adds a chunk of a JSON body to `json`, which gives up past [`JSON_TAP_LIMIT`] bytes.
+fn keep_json(json: &mut Option<Joined>, data: &Bytes) {
+    if let Some(j) = json {
+        if j.len() + data.len() > JSON_TAP_LIMIT {
+            *json = None;
+        } else {
+            j.push(data.clone());
         }
-    }
-
-    /// Adds a chunk; past [`JSON_TAP_LIMIT`] bytes in all, drops what it kept and keeps
-    /// nothing more (a copy with a gap could be misread).
-    fn add(&mut self, data: &Bytes) {
-        if matches!(self, JsonCopy::TooLarge) {
-            return;
-        }
-        if self.len() + data.len() > JSON_TAP_LIMIT {
-            *self = JsonCopy::TooLarge;
-            return;
-        }
-        *self = match std::mem::replace(self, JsonCopy::Empty) {
-            JsonCopy::Empty | JsonCopy::TooLarge => JsonCopy::One(data.clone()),
-            JsonCopy::One(first) => {
-                let mut v = Vec::with_capacity(first.len() + data.len());
-                v.extend_from_slice(&first);
-                v.extend_from_slice(data);
-                JsonCopy::Many(v)
-            }
-            JsonCopy::Many(mut v) => {
-                v.extend_from_slice(data);
-                JsonCopy::Many(v)
-            }
-        };
     }
 }
 
@@ -408,7 +376,10 @@ pub struct UsageTap<B> {
     json_body: bool,
     strip_usage_chunk: bool,
     pending: BytesMut,
-    json: JsonCopy,
+    /// A copy of a JSON body (most come in one chunk, kept as it came) to read its
+    /// `usage` at the end; `None` once the body passed [`JSON_TAP_LIMIT`]: it is not read
+    /// (a copy with a gap could be misread).
+    json: Option<Joined>,
     usage: Option<u64>,
     on_usage: Option<OnUsage>,
 }
@@ -427,7 +398,7 @@ impl<B> UsageTap<B> {
             json_body,
             strip_usage_chunk,
             pending: BytesMut::new(),
-            json: JsonCopy::Empty,
+            json: Some(Joined::Empty),
             usage: None,
             on_usage: Some(on_usage),
         }
@@ -435,11 +406,7 @@ impl<B> UsageTap<B> {
 
     fn finish(&mut self) {
         if !self.sse && self.usage.is_none() {
-            self.usage = match &self.json {
-                JsonCopy::Empty | JsonCopy::TooLarge => None,
-                JsonCopy::One(b) => usage_total(b),
-                JsonCopy::Many(v) => usage_total(v),
-            };
+            self.usage = self.json.as_ref().and_then(|j| usage_total(j.as_slice()));
         }
         if let Some(f) = self.on_usage.take() {
             f(self.usage);
@@ -614,7 +581,7 @@ where
                     };
                     if !this.sse {
                         if this.json_body {
-                            this.json.add(&data);
+                            keep_json(&mut this.json, &data);
                         }
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
@@ -726,15 +693,20 @@ mod tests {
 
     #[test]
     fn a_json_body_past_the_tap_limit_is_not_read_for_usage() {
-        let mut c = JsonCopy::Empty;
-        c.add(&Bytes::from(vec![b' '; JSON_TAP_LIMIT - 10]));
-        c.add(&Bytes::from(vec![b' '; 20]));
-        c.add(&Bytes::from_static(br#"{"usage":{"total_tokens":5}}"#));
-        assert!(matches!(c, JsonCopy::TooLarge));
-        let mut small = JsonCopy::Empty;
-        small.add(&Bytes::from_static(br#"{"usage":"#));
-        small.add(&Bytes::from_static(br#"{"total_tokens":5}}"#));
-        assert!(matches!(&small, JsonCopy::Many(v) if usage_total(v) == Some(5)));
+        let mut c = Some(Joined::Empty);
+        keep_json(&mut c, &Bytes::from(vec![b' '; JSON_TAP_LIMIT - 10]));
+        keep_json(&mut c, &Bytes::from(vec![b' '; 20]));
+        keep_json(
+            &mut c,
+            &Bytes::from_static(br#"{"usage":{"total_tokens":5}}"#),
+        );
+        assert!(c.is_none());
+        let mut small = Some(Joined::Empty);
+        keep_json(&mut small, &Bytes::from_static(br#"{"usage":"#));
+        keep_json(&mut small, &Bytes::from_static(br#"{"total_tokens":5}}"#));
+        assert!(
+            matches!(&small, Some(j @ Joined::Many(_)) if usage_total(j.as_slice()) == Some(5))
+        );
     }
 
     /// The cheap estimate as a full parse computes it.

@@ -1106,8 +1106,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                             tried.push((id, dep));
                         }
                     }
-                    failures.push(Outcome::ConnectError);
-                    pending_failover = Some((id, Label::from("auth")));
+                    pending_failover = auth_failed(&mut failures, id);
                     continue;
                 }
             },
@@ -1165,14 +1164,12 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     Refusal::Replaced(_) | Refusal::Renewing => {}
                     Refusal::TooRecent { age } => {
                         refused_token(app, backend, age, &snap.config.cooldown, &mut rng);
-                        failures.push(Outcome::ConnectError);
-                        pending_failover = Some((id, Label::from("auth")));
+                        pending_failover = auth_failed(&mut failures, id);
                         continue;
                     }
                     Refusal::Unavailable(message) => {
                         no_token(app, backend, source, &TokenError::Unavailable(message));
-                        failures.push(Outcome::ConnectError);
-                        pending_failover = Some((id, Label::from("auth")));
+                        pending_failover = auth_failed(&mut failures, id);
                         continue;
                     }
                 }
@@ -1185,8 +1182,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     Ok(t) => t,
                     Err(e) => {
                         no_token(app, backend, source, &e);
-                        failures.push(Outcome::ConnectError);
-                        pending_failover = Some((id, Label::from("auth")));
+                        pending_failover = auth_failed(&mut failures, id);
                         continue;
                     }
                 };
@@ -1250,10 +1246,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         .map(|p| p.capacity)
                         .unwrap_or_default();
                     deployment.observe_capacity(&h, &policy, now);
-                    if app.store.shared() {
-                        app.store
-                            .capacity_observed(&backend.cfg.name, dep_name, &deployment);
-                    }
+                    app.store
+                        .capacity_observed(&backend.cfg.name, dep_name, &deployment);
                     if let Some(r) = reservation.take() {
                         r.settle(None, now);
                     }
@@ -1300,8 +1294,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             }
             discard(response);
-            failures.push(Outcome::ConnectError);
-            pending_failover = Some((id, Label::from("auth")));
+            pending_failover = auth_failed(&mut failures, id);
             continue;
         }
         if record_breaker(
@@ -1673,6 +1666,13 @@ fn record_request(ctx: &Ctx<'_>, backend: Option<usize>, status: u16) {
             .clone()
     };
     ctx.snap.handles.requests.with(key, make, |c| c.inc());
+}
+
+/// An attempt that ended for want of a usable token: a connect failure, and the request
+/// fails over with reason `auth`.
+fn auth_failed(failures: &mut Vec<Outcome>, id: BackendId) -> Option<(BackendId, Label)> {
+    failures.push(Outcome::ConnectError);
+    Some((id, Label::from("auth")))
 }
 
 /// An attempt's `outcome` metric label.

@@ -17,6 +17,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+#[path = "../src/test_logs.rs"]
+mod test_logs;
+use test_logs::Logs;
+
 use axum::body::Body;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
@@ -168,49 +172,6 @@ async fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
             "timed out waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Log lines written while the guard lives (this test's thread; tokio tests run their
-/// tasks on it), at debug level, the Azure SDK's lines included.
-///
-/// Every test in this file holds one, even those that read no logs: `tracing` caches
-/// whether a log statement is enabled the first time it runs, from the subscribers that
-/// exist then, so a test without a subscriber could otherwise hide a line from a test
-/// that reads it, when both run at once.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
-    type Writer = Logs;
-    fn make_writer(&'a self) -> Logs {
-        self.clone()
-    }
-}
-
-impl Logs {
-    fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
-        let logs = Logs::default();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(logs.clone())
-            .with_max_level(tracing::Level::DEBUG)
-            .with_ansi(false)
-            .finish();
-        (logs.clone(), tracing::subscriber::set_default(subscriber))
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
 }
 

@@ -430,7 +430,8 @@ async fn values_in_redis_are_bounded_not_trusted() {
         vec![
             "SET".to_string(),
             format!("spillgate:cap:z/{MODEL}"),
-            "0;-1,2,3;x".to_string(),
+            // Observed now, so only the refusal of its counters can keep it out.
+            format!("{now_ms};-1,2,3;x"),
         ],
         vec![
             "SET".to_string(),

@@ -112,6 +112,18 @@ pub struct StoreStatus {
 }
 
 impl StoreStatus {
+    /// The counters, by the name `/admin/state` and the metric's `kind` label give them.
+    pub fn counters(&self) -> [(&'static str, u64); 6] {
+        [
+            ("sent", self.sent),
+            ("received", self.received),
+            ("rejected", self.rejected),
+            ("errors", self.errors),
+            ("dropped", self.dropped),
+            ("local_decisions", self.local_decisions),
+        ]
+    }
+
     /// As JSON; `detail` (the admin port) adds the address, prefix and counters.
     pub fn json(&self, detail: bool) -> serde_json::Value {
         let mut v = serde_json::json!({
@@ -124,12 +136,9 @@ impl StoreStatus {
             v["instance"] = serde_json::json!(self.instance);
             v["since_ms"] = serde_json::json!(self.since_ms);
             v["last_error"] = serde_json::json!(self.last_error);
-            v["sent"] = serde_json::json!(self.sent);
-            v["received"] = serde_json::json!(self.received);
-            v["rejected"] = serde_json::json!(self.rejected);
-            v["errors"] = serde_json::json!(self.errors);
-            v["dropped"] = serde_json::json!(self.dropped);
-            v["local_decisions"] = serde_json::json!(self.local_decisions);
+            for (name, n) in self.counters() {
+                v[name] = serde_json::json!(n);
+            }
         }
         v
     }

@@ -1549,32 +1549,11 @@ mod tests {
         assert!(off < 1_000, "{off} ms off the system clock after a poll");
     }
 
-    /// What `tracing` writes, kept for the test to read.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
     #[tokio::test]
     async fn a_request_waits_on_a_stalled_redis_once_and_it_is_said_once() {
         let Some(redis) = redis().await else { return };
         let (store, _conn, _app) = connected(&redis).await;
-        let logs = Captured::default();
-        let writer = logs.clone();
-        let _log = tracing::subscriber::set_default(
-            tracing_subscriber::fmt()
-                .with_writer(move || writer.clone())
-                .with_ansi(false)
-                .finish(),
-        );
+        let (logs, _log) = crate::test_logs::Logs::capture();
         redis.pause().unwrap();
         // A request meeting two recovering backends: the first claim waits the whole
         // timeout, the second none.
@@ -1593,12 +1572,8 @@ mod tests {
         }
         redis.resume().unwrap();
         assert_eq!(store.status().local_decisions, 5);
-        let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
-        let warnings = text
-            .lines()
-            .filter(|l| l.contains("WARN") && l.contains("state.timeout"))
-            .count();
-        assert_eq!(warnings, 1, "{text}");
+        let warnings = logs.lines("WARN", "state.timeout");
+        assert_eq!(warnings.len(), 1, "{}", logs.text());
         // Without a connection, the local decision is counted too.
         store.conn.store(None);
         let budget = StoreBudget::new(store.request_budget());

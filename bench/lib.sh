@@ -1,0 +1,135 @@
+# Shared by bench/overhead.sh and bench/instructions.sh (sourced, not run): tools,
+# build, cleanup, ports, and the configs of the mock, nginx and spillgate they compare.
+# Expects ROOT (the repository) to be set and `set -euo pipefail` in the caller.
+
+APT_UPDATED=0
+# need <command> <Debian package>: installs the package when the command is missing.
+need() {
+    if ! command -v "$1" >/dev/null 2>&1 && ! [[ -x /usr/sbin/$1 ]]; then
+        echo "installing $2" >&2
+        local sudo=()
+        [[ $(id -u) -ne 0 ]] && sudo=(sudo -n)
+        if [[ $APT_UPDATED -eq 0 ]]; then
+            "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq </dev/null >/dev/null
+            APT_UPDATED=1
+        fi
+        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" </dev/null >/dev/null
+    fi
+}
+
+# Builds the gateway and the mock and sets BIN: the release build, or with SMOKE (numbers
+# from a smoke run mean nothing) the debug build ./test.sh already has.
+build_bins() {
+    if [[ -n ${SMOKE:-} ]]; then
+        cargo build -q -p spillgate -p spillgate-mock
+        BIN=${CARGO_TARGET_DIR:-$ROOT/target}/debug
+    else
+        cargo build -q --release -p spillgate -p spillgate-mock
+        BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
+    fi
+}
+
+# WORK is removed and every process in PIDS killed when the script exits.
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# wait_port <port> [seconds]: until something listens there (5 s by default).
+wait_port() {
+    local tries=$(( ${2:-5} * 20 ))
+    for _ in $(seq 1 "$tries"); do
+        (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+        sleep 0.05
+    done
+    echo "port $1 did not open" >&2
+    return 1
+}
+
+JSON='{"model":"gpt-4o","messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}'
+SSE='{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"Summarise the quarterly report in three bullet points."}],"max_tokens":70}'
+
+# wrk's script: POSTs $BODY and prints
+# "RESULT requests duration_us p50_ms p99_ms p99.9_ms errors".
+cat >"$WORK/post.lua" <<'EOF'
+wrk.method = "POST"
+wrk.body = os.getenv("BODY")
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local errors = summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.status + summary.errors.timeout
+  io.write(string.format("RESULT %d %d %.3f %.3f %.3f %d\n", summary.requests, summary.duration,
+    latency:percentile(50) / 1000, latency:percentile(99) / 1000, latency:percentile(99.9) / 1000, errors))
+end
+EOF
+
+# start_mock <latency_ms> [stream_chunks [chunk_interval_ms]]: sets PORT. Run in this
+# shell (not in $(...)) so that PIDS keeps the process, as with the other start_*.
+start_mock() {
+    local port; port=$(free_port)
+    "$BIN/spillgate-mock" --listen "127.0.0.1:$port" --name bench --latency-ms "$1" \
+        --stream-chunks "${2:-100}" --chunk-interval-ms "${3:-0}" --no-record-requests \
+        >/dev/null 2>"$WORK/mock-$port.log" &
+    PIDS+=($!)
+    PORT=$port
+}
+
+# nginx_conf <dir> <listen_port> <backend_port> [single]: a plain keepalive reverse proxy
+# (proxy_buffering off) in <dir>/nginx.conf; one worker in the foreground with `single`
+# (to run under valgrind), else a worker per core.
+nginx_conf() {
+    local head="worker_processes auto;"
+    [[ ${4:-} == single ]] && head=$'worker_processes 1;\nmaster_process off;\ndaemon off;'
+    mkdir -p "$1"
+    cat >"$1/nginx.conf" <<EOF
+$head
+worker_rlimit_nofile 65536;
+pid $1/nginx.pid;
+error_log $1/error.log warn;
+events { worker_connections 20000; }
+http {
+    access_log off;
+    upstream backend { server 127.0.0.1:$3; keepalive 256; }
+    server {
+        listen 127.0.0.1:$2;
+        location / {
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }
+    }
+}
+EOF
+}
+
+# spillgate_toml <file> <listen_port> <backend_port>: two tiers on the same backend, no
+# admin listener, no client keys.
+spillgate_toml() {
+    cat >"$1" <<EOF
+[server]
+listen = "127.0.0.1:$2"
+max_connections = 20000
+[admin]
+enabled = false
+[auth]
+mode = "none"
+[log]
+level = "warn"
+[[backends]]
+name = "tier1"
+kind = "openai"
+url = "http://127.0.0.1:$3/v1"
+priority = 1
+[[backends]]
+name = "tier2"
+kind = "openai"
+url = "http://127.0.0.1:$3/v1"
+priority = 2
+EOF
+}
