@@ -7,6 +7,7 @@
 #   bench/instructions.sh          # JSON and SSE, release build
 #   TOP=15 bench/instructions.sh   # also list spillgate's 15 costliest functions
 #   SMOKE=1 bench/instructions.sh  # seconds, JSON only, debug build (what ./test.sh runs)
+#   KEEP=/tmp/cg bench/instructions.sh  # also keep the callgrind dumps (for callgrind_annotate)
 #
 # Installs valgrind, wrk and nginx-light with apt-get when missing. Prints a markdown
 # table: requests counted, user-space instructions per request (per 100-chunk stream for
@@ -111,6 +112,10 @@ for body in "${BODIES[@]}"; do
         ratio="1.00×"
         [[ $target != nginx ]] && ratio=$(awk -v a="${IR[$target.$body]}" -v b="${IR[nginx.$body]:-0}" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }')
         echo "| $body | $target | $requests | ${IR[$target.$body]} | $ratio |"
+        if [[ -n ${KEEP:-} ]]; then
+            mkdir -p "$KEEP"
+            cp "$out.1" "$KEEP/$target-$body.callgrind"
+        fi
         if [[ $target == spillgate && -n ${TOP:-} ]]; then
             cp "$out.1" "$WORK/top-$body.out"
             echo "$requests" >"$WORK/top-$body.n"

@@ -1620,6 +1620,9 @@ fn build_upstream_request(
     let mut builder = http::Request::builder().method(ctx.method.clone()).uri(uri);
     if let Some(h) = builder.headers_mut() {
         h.clone_from(&ctx.headers);
+        if let Some(host) = &backend.host {
+            h.insert(header::HOST, host.clone());
+        }
         match bearer {
             Some(t) => {
                 h.insert(header::AUTHORIZATION, t.header().clone());

@@ -1,23 +1,35 @@
 //! The HTTP client that talks to backends.
 //!
-//! hyper-util's pooled client over rustls (the system's CA store, else webpki roots;
-//! HTTP/1.1 and HTTP/2 by ALPN):
-//! the thinnest layer that gives connection reuse, so the proxy path adds as little as
-//! possible. The connect timeout lives in the connector; the time-to-first-byte timeout
-//! wraps each request; the idle timeout between body chunks wraps the response body.
+//! A connection pool per connection thread over hyper's own HTTP/1.1 and HTTP/2
+//! connections, through rustls (the system's CA store, else webpki roots; HTTP/2 when the
+//! backend picks it by ALPN). hyper-util's general-purpose pooled client cost about a
+//! tenth of the gateway's instructions per proxied request (its pool map, a task per
+//! request to return each HTTP/1 connection, the `Host` header built per request); here
+//! a connection goes back to its pool when its response body ends, and the pool is a
+//! plain list per backend origin. The connect timeout lives in the connector; the
+//! time-to-first-byte timeout wraps each request; the idle timeout between body chunks
+//! wraps the response body (in the proxy).
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use http::uri::{Authority, Scheme};
+use http::{header, HeaderValue};
+use http_body::{Frame, SizeHint};
 use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::client::conn::{http1, http2};
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::{Connection, HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use spillgate_core::config::Timeouts;
+use tokio::time::Instant;
 
 /// Why an attempt got no response.
 #[derive(Debug, thiserror::Error)]
@@ -41,11 +53,19 @@ pub trait Upstream: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>>;
 }
 
-type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
-
 /// Pools an upstream client keeps at most: one per connection thread (see
 /// [`set_pool_slot`]) plus one for every other thread.
 const MAX_POOLS: usize = 65;
+
+/// An idle connection unused this long is closed.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Idle HTTP/1.1 connections kept per backend origin and pool; past this, the one idle
+/// longest is closed.
+const MAX_IDLE_PER_ORIGIN: usize = 256;
+
+/// How often a pool drops the connections that idled past [`IDLE_TIMEOUT`] or closed.
+const SWEEP_EVERY: Duration = Duration::from_secs(30);
 
 thread_local! {
     /// Which of the upstream client's connection pools this thread uses: 0 for any
@@ -61,30 +81,40 @@ pub fn set_pool_slot(slot: usize) {
     POOL_SLOT.with(|s| s.set(slot % MAX_POOLS));
 }
 
-pub struct UpstreamClient {
+type Connector = HttpsConnector<HttpConnector>;
+type H1 = http1::SendRequest<Full<Bytes>>;
+type H2 = http2::SendRequest<Full<Bytes>>;
+type SharedPool = Arc<Mutex<Pool<H1, H2>>>;
+
+pub struct UpstreamClient(Arc<Inner>);
+
+struct Inner {
     /// Built once and shared by the pools: building it reads and parses the system's CA
     /// store, milliseconds that each connection thread's first request used to wait for.
-    connector: HttpsConnector<HttpConnector>,
-    /// Built on first use by a thread of that slot.
-    pools: Box<[OnceLock<HttpClient>]>,
+    connector: Connector,
+    pools: Box<[SharedPool]>,
+    /// Speak HTTP/2 without ALPN (prior knowledge), for tests of the HTTP/2 path over
+    /// plain TCP.
+    h2_only: bool,
 }
 
 impl UpstreamClient {
     pub fn new(timeouts: &Timeouts) -> UpstreamClient {
-        UpstreamClient {
-            connector: build_connector(timeouts.connect),
-            pools: (0..MAX_POOLS).map(|_| OnceLock::new()).collect(),
-        }
+        Self::build(timeouts.connect, false)
     }
 
-    fn client(&self) -> &HttpClient {
-        // `set_pool_slot` keeps slots below MAX_POOLS, the length of `pools`.
-        let slot = POOL_SLOT.with(std::cell::Cell::get) % MAX_POOLS;
-        self.pools[slot].get_or_init(|| build_client(self.connector.clone()))
+    fn build(connect_timeout: Duration, h2_only: bool) -> UpstreamClient {
+        UpstreamClient(Arc::new(Inner {
+            connector: build_connector(connect_timeout),
+            pools: (0..MAX_POOLS)
+                .map(|_| Arc::new(Mutex::new(Pool::default())))
+                .collect(),
+            h2_only,
+        }))
     }
 }
 
-fn build_connector(connect_timeout: Duration) -> HttpsConnector<HttpConnector> {
+fn build_connector(connect_timeout: Duration) -> Connector {
     // The first-byte timeout is applied per request (it may be cut short by a request's
     // deadline); only the connect timeout lives in the connector.
     let mut http = HttpConnector::new();
@@ -108,13 +138,19 @@ fn build_connector(connect_timeout: Duration) -> HttpsConnector<HttpConnector> {
         .wrap_connector(http)
 }
 
-fn build_client(https: HttpsConnector<HttpConnector>) -> HttpClient {
-    Client::builder(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(256)
-        .build(https)
+/// The `Host` header for requests to `authority` over `scheme`: the authority without
+/// its port when the port is the scheme's default.
+pub fn host_header(scheme: &Scheme, authority: &Authority) -> Option<HeaderValue> {
+    let default = match scheme.as_str() {
+        "http" => Some(80),
+        "https" => Some(443),
+        _ => None,
+    };
+    let host = match authority.port_u16() {
+        Some(p) if Some(p) != default => authority.as_str(),
+        _ => authority.host(),
+    };
+    HeaderValue::from_str(host).ok()
 }
 
 impl Upstream for UpstreamClient {
@@ -123,15 +159,406 @@ impl Upstream for UpstreamClient {
         req: http::Request<Full<Bytes>>,
         timeout: Duration,
     ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>> {
-        let fut = self.client().request(req);
+        // Read on the calling thread: the slot says which thread's pool to use.
+        let slot = POOL_SLOT.with(std::cell::Cell::get) % MAX_POOLS;
+        let inner = Arc::clone(&self.0);
         Box::pin(async move {
-            match tokio::time::timeout(timeout, fut).await {
+            match tokio::time::timeout(timeout, inner.request(slot, req)).await {
                 Err(_) => Err(AttemptError::FirstByteTimeout(timeout)),
-                Ok(Ok(resp)) => Ok(resp.map(Body::new)),
-                Ok(Err(e)) if e.is_connect() => Err(AttemptError::Connect(error_chain(&e))),
-                Ok(Err(e)) => Err(AttemptError::Request(error_chain(&e))),
+                Ok(r) => r,
             }
         })
+    }
+}
+
+/// A backend origin: where a pooled connection leads.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Origin {
+    scheme: Scheme,
+    authority: Authority,
+}
+
+impl Inner {
+    async fn request(
+        &self,
+        slot: usize,
+        mut req: http::Request<Full<Bytes>>,
+    ) -> Result<http::Response<Body>, AttemptError> {
+        let uri = req.uri();
+        let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
+            return Err(AttemptError::Request(format!(
+                "not an absolute URI: {}",
+                uri.path()
+            )));
+        };
+        let origin = Origin {
+            scheme: scheme.clone(),
+            authority: authority.clone(),
+        };
+        let pool = &self.pools[slot];
+        let pooled = lock(pool).take(&origin, Instant::now());
+        let reused = pooled.is_some();
+        let conn = match pooled {
+            Some(c) => c,
+            // Boxed: the connect future is kilobytes; inline, it would make every
+            // request's future that large, copied as it is set up.
+            None => Box::pin(self.connect(pool, &origin)).await?,
+        };
+        let mut h1 = match conn {
+            Conn::H1(h1) => h1,
+            Conn::H2(h2) => return send_h2(h2, req).await,
+        };
+        if !req.headers().contains_key(header::HOST) {
+            if let Some(host) = host_header(&origin.scheme, &origin.authority) {
+                req.headers_mut().insert(header::HOST, host);
+            }
+        }
+        // HTTP/1.1 to an origin server: the request line carries the path only.
+        let path = req
+            .uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+        *req.uri_mut() = http::Uri::from(path);
+        let resp = match h1.try_send_request(req).await {
+            Ok(resp) => resp,
+            Err(mut e) => match e.take_message() {
+                // A pooled connection the backend closed just as it was taken: the request
+                // was not written, so it goes once more, on a new connection.
+                Some(req) if reused => {
+                    h1 = match Box::pin(self.connect(pool, &origin)).await? {
+                        Conn::H1(h1) => h1,
+                        Conn::H2(h2) => return send_h2(h2, req).await,
+                    };
+                    h1.send_request(req)
+                        .await
+                        .map_err(|e| AttemptError::Request(error_chain(&e)))?
+                }
+                _ => return Err(AttemptError::Request(error_chain(e.error()))),
+            },
+        };
+        Ok(resp.map(|body| {
+            let mut body = Pooled {
+                body,
+                give_back: Some(GiveBack {
+                    conn: h1,
+                    pool: Arc::downgrade(pool),
+                    origin,
+                }),
+            };
+            if http_body::Body::is_end_stream(&body.body) {
+                body.give_back();
+            }
+            Body::new(body)
+        }))
+    }
+
+    /// Opens a connection to `origin`, HTTP/2 when the backend picks it by ALPN (kept in
+    /// `pool` at once, for the requests that come while this one runs), else HTTP/1.1.
+    async fn connect(
+        &self,
+        pool: &SharedPool,
+        origin: &Origin,
+    ) -> Result<Conn<H1, H2>, AttemptError> {
+        use tower::ServiceExt;
+        let uri = http::Uri::builder()
+            .scheme(origin.scheme.clone())
+            .authority(origin.authority.clone())
+            .path_and_query("/")
+            .build()
+            .map_err(|e| AttemptError::Connect(e.to_string()))?;
+        let io = self
+            .connector
+            .clone()
+            .oneshot(uri)
+            .await
+            .map_err(|e| AttemptError::Connect(error_chain(&*e)))?;
+        if self.h2_only || io.connected().is_negotiated_h2() {
+            let (h2, conn) = http2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .handshake::<_, Full<Bytes>>(io)
+                .await
+                .map_err(|e| AttemptError::Connect(error_chain(&e)))?;
+            tokio::spawn(drive(conn));
+            let mut guard = lock(pool);
+            guard.put_shared(origin, h2.clone(), Instant::now());
+            keep_reaped(pool, &mut guard);
+            drop(guard);
+            Ok(Conn::H2(h2))
+        } else {
+            let (h1, conn) = http1::Builder::new()
+                .handshake::<_, Full<Bytes>>(io)
+                .await
+                .map_err(|e| AttemptError::Connect(error_chain(&e)))?;
+            tokio::spawn(drive(conn));
+            Ok(Conn::H1(h1))
+        }
+    }
+}
+
+/// Drives one upstream connection until it closes.
+async fn drive<F: std::future::Future<Output = hyper::Result<()>>>(conn: F) {
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %error_chain(&e), "upstream connection ended with an error");
+    }
+}
+
+async fn send_h2(
+    mut h2: H2,
+    mut req: http::Request<Full<Bytes>>,
+) -> Result<http::Response<Body>, AttemptError> {
+    // HTTP/2 carries the authority in the request's `:authority`, from its URI.
+    req.headers_mut().remove(header::HOST);
+    h2.send_request(req)
+        .await
+        .map(|resp| resp.map(Body::new))
+        .map_err(|e| AttemptError::Request(error_chain(&e)))
+}
+
+/// The pool's lock; a poisoned one (a panic while held, which the pool code cannot
+/// cause) is used as it is: the worst it holds is a connection that fails and is dropped.
+fn lock<A, B>(pool: &Mutex<Pool<A, B>>) -> std::sync::MutexGuard<'_, Pool<A, B>> {
+    pool.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What the pool needs to know of a connection.
+trait Reusable {
+    /// The connection is gone (closed by either side, or failed).
+    fn is_closed(&self) -> bool;
+    /// The connection can take a request now.
+    fn is_ready(&self) -> bool;
+}
+
+impl Reusable for H1 {
+    fn is_closed(&self) -> bool {
+        http1::SendRequest::is_closed(self)
+    }
+    fn is_ready(&self) -> bool {
+        http1::SendRequest::is_ready(self)
+    }
+}
+
+impl Reusable for H2 {
+    fn is_closed(&self) -> bool {
+        http2::SendRequest::is_closed(self)
+    }
+    fn is_ready(&self) -> bool {
+        http2::SendRequest::is_ready(self)
+    }
+}
+
+/// One thread's idle HTTP/1.1 connections and shared HTTP/2 connections, by origin.
+struct Pool<A, B> {
+    origins: HashMap<Origin, Idle<A, B>>,
+    last_sweep: Option<Instant>,
+    /// A [`reap`] task runs for this pool.
+    reaping: bool,
+}
+
+impl<A, B> Default for Pool<A, B> {
+    fn default() -> Self {
+        Pool {
+            origins: HashMap::new(),
+            last_sweep: None,
+            reaping: false,
+        }
+    }
+}
+
+struct Idle<A, B> {
+    /// HTTP/1.1 connections waiting for a request, oldest first, each with when it
+    /// became idle.
+    h1: Vec<(A, Instant)>,
+    /// An HTTP/2 connection (many requests at once), with when it was last used.
+    h2: Option<(B, Instant)>,
+}
+
+impl<A, B> Default for Idle<A, B> {
+    fn default() -> Self {
+        Idle {
+            h1: Vec::new(),
+            h2: None,
+        }
+    }
+}
+
+impl<A: Reusable, B: Reusable + Clone> Idle<A, B> {
+    fn sweep(&mut self, now: Instant) {
+        self.h1
+            .retain(|(c, since)| !c.is_closed() && now.duration_since(*since) < IDLE_TIMEOUT);
+        if self
+            .h2
+            .as_ref()
+            .is_some_and(|(c, since)| c.is_closed() || now.duration_since(*since) >= IDLE_TIMEOUT)
+        {
+            self.h2 = None;
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.h1.is_empty() && self.h2.is_none()
+    }
+}
+
+/// A connection, by the protocol the backend chose.
+enum Conn<A, B> {
+    H1(A),
+    H2(B),
+}
+
+impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
+    /// A connection to `origin` ready for a request: the shared HTTP/2 one, else the
+    /// HTTP/1.1 one idle the shortest time. Closed and expired ones are dropped on the way.
+    fn take(&mut self, origin: &Origin, now: Instant) -> Option<Conn<A, B>> {
+        self.maybe_sweep(now);
+        let idle = self.origins.get_mut(origin)?;
+        if let Some((c, since)) = &mut idle.h2 {
+            if !c.is_closed() && now.duration_since(*since) < IDLE_TIMEOUT {
+                *since = now;
+                return Some(Conn::H2(c.clone()));
+            }
+            idle.h2 = None;
+        }
+        let mut i = idle.h1.len();
+        while i > 0 {
+            i -= 1;
+            let (c, since) = &idle.h1[i];
+            if c.is_closed() || now.duration_since(*since) >= IDLE_TIMEOUT {
+                idle.h1.remove(i);
+            } else if c.is_ready() {
+                return Some(Conn::H1(idle.h1.remove(i).0));
+            }
+            // Not ready yet (its last response is still finishing): left for later.
+        }
+        None
+    }
+
+    /// Keeps an HTTP/1.1 connection whose response has ended.
+    fn put(&mut self, origin: &Origin, conn: A, now: Instant) {
+        if conn.is_closed() {
+            return;
+        }
+        let idle = self.origins.entry(origin.clone()).or_default();
+        if idle.h1.len() >= MAX_IDLE_PER_ORIGIN {
+            idle.h1.remove(0);
+        }
+        idle.h1.push((conn, now));
+    }
+
+    /// Keeps an HTTP/2 connection for every request to `origin`.
+    fn put_shared(&mut self, origin: &Origin, conn: B, now: Instant) {
+        self.origins.entry(origin.clone()).or_default().h2 = Some((conn, now));
+    }
+
+    /// Whether the caller is to start a [`reap`] task for this pool (none runs yet).
+    fn start_reaping(&mut self) -> bool {
+        !std::mem::replace(&mut self.reaping, true)
+    }
+
+    /// Every [`SWEEP_EVERY`], drops closed and expired connections of every origin.
+    fn maybe_sweep(&mut self, now: Instant) {
+        match self.last_sweep {
+            Some(t) if now.duration_since(t) < SWEEP_EVERY => {}
+            Some(_) => self.sweep(now),
+            None => self.last_sweep = Some(now),
+        }
+    }
+
+    fn sweep(&mut self, now: Instant) {
+        self.last_sweep = Some(now);
+        self.origins.retain(|_, idle| {
+            idle.sweep(now);
+            !idle.is_empty()
+        });
+    }
+
+    #[cfg(test)]
+    fn idle_h1(&self, origin: &Origin) -> usize {
+        self.origins.get(origin).map_or(0, |i| i.h1.len())
+    }
+}
+
+/// Sweeps `pool` every [`SWEEP_EVERY`] while it keeps connections, so idle ones close
+/// after [`IDLE_TIMEOUT`] even when no request comes to take them.
+async fn reap<A: Reusable, B: Reusable + Clone>(pool: Weak<Mutex<Pool<A, B>>>) {
+    loop {
+        tokio::time::sleep(SWEEP_EVERY).await;
+        let Some(pool) = pool.upgrade() else { return };
+        let mut pool = lock(&pool);
+        pool.sweep(Instant::now());
+        if pool.origins.is_empty() {
+            pool.reaping = false;
+            return;
+        }
+    }
+}
+
+/// Starts a [`reap`] task for `pool` when none runs (and a runtime is there to run it).
+fn keep_reaped<A, B>(pool: &Arc<Mutex<Pool<A, B>>>, guard: &mut Pool<A, B>)
+where
+    A: Reusable + Send + 'static,
+    B: Reusable + Clone + Send + 'static,
+{
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        if guard.start_reaping() {
+            rt.spawn(reap(Arc::downgrade(pool)));
+        }
+    }
+}
+
+/// Where an HTTP/1.1 connection goes once its response body has ended.
+struct GiveBack {
+    conn: H1,
+    pool: Weak<Mutex<Pool<H1, H2>>>,
+    origin: Origin,
+}
+
+/// A response body over a pooled HTTP/1.1 connection: at its end, the connection goes
+/// back to its pool. Dropped before its end (the client left, a timeout), the
+/// connection is not reused (hyper closes it unless the rest was already read).
+struct Pooled {
+    body: Incoming,
+    give_back: Option<GiveBack>,
+}
+
+impl Pooled {
+    fn give_back(&mut self) {
+        if let Some(g) = self.give_back.take() {
+            if let Some(pool) = g.pool.upgrade() {
+                let mut guard = lock(&pool);
+                guard.put(&g.origin, g.conn, Instant::now());
+                keep_reaped(&pool, &mut guard);
+            }
+        }
+    }
+}
+
+impl http_body::Body for Pooled {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.give_back(),
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.give_back(),
+            Poll::Ready(Some(Err(_))) => this.give_back = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -146,4 +573,415 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Mutex as StdMutex;
+
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    const LONG: Duration = Duration::from_secs(60);
+
+    fn client() -> UpstreamClient {
+        UpstreamClient::build(Duration::from_secs(5), false)
+    }
+
+    fn post(url: &str) -> http::Request<Full<Bytes>> {
+        http::Request::post(url)
+            .body(Full::new(Bytes::from_static(b"{\"model\":\"m\"}")))
+            .unwrap()
+    }
+
+    fn origin(port: u16) -> Origin {
+        Origin {
+            scheme: Scheme::HTTP,
+            authority: format!("127.0.0.1:{port}").parse().unwrap(),
+        }
+    }
+
+    fn idle_h1(c: &UpstreamClient, port: u16) -> usize {
+        lock(&c.0.pools[0]).idle_h1(&origin(port))
+    }
+
+    /// What a test backend saw: connections accepted, and each request's line and Host.
+    #[derive(Default)]
+    struct Seen {
+        accepted: AtomicUsize,
+        requests: StdMutex<Vec<(String, Option<String>)>>,
+    }
+
+    /// An HTTP/1.1 (or, with `h2`, HTTP/2) backend on loopback: `/stall` sends one chunk
+    /// and then nothing; anything else gets `ok`.
+    async fn backend(h2: bool) -> (u16, Arc<Seen>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = Arc::new(Seen::default());
+        let seen2 = Arc::clone(&seen);
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                seen2.accepted.fetch_add(1, Ordering::SeqCst);
+                let seen = Arc::clone(&seen2);
+                let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
+                    let seen = Arc::clone(&seen);
+                    async move {
+                        let host = req
+                            .headers()
+                            .get(header::HOST)
+                            .map(|h| h.to_str().unwrap().to_string());
+                        seen.requests
+                            .lock()
+                            .unwrap()
+                            .push((req.uri().to_string(), host));
+                        let stall = req.uri().path() == "/stall";
+                        let _ = req.into_body().collect().await;
+                        let body: http_body_util::combinators::BoxBody<Bytes, hyper::Error> =
+                            if stall {
+                                let first = futures_util::stream::once(async {
+                                    Ok::<_, hyper::Error>(Frame::data(Bytes::from_static(b"a")))
+                                });
+                                let rest = futures_util::stream::pending();
+                                http_body_util::StreamBody::new(futures_util::StreamExt::chain(
+                                    first, rest,
+                                ))
+                                .boxed()
+                            } else {
+                                Full::new(Bytes::from_static(b"ok"))
+                                    .map_err(|never| match never {})
+                                    .boxed()
+                            };
+                        Ok::<_, std::convert::Infallible>(http::Response::new(body))
+                    }
+                });
+                let io = TokioIo::new(stream);
+                if h2 {
+                    tokio::spawn(
+                        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                            .serve_connection(io, svc),
+                    );
+                } else {
+                    tokio::spawn(
+                        hyper::server::conn::http1::Builder::new().serve_connection(io, svc),
+                    );
+                }
+            }
+        });
+        (port, seen)
+    }
+
+    use hyper_util::rt::TokioIo;
+
+    async fn body_of(resp: http::Response<Body>) -> Bytes {
+        resp.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    #[tokio::test]
+    async fn sequential_requests_share_one_connection_in_origin_form_with_host() {
+        let (port, seen) = backend(false).await;
+        let c = client();
+        for i in 0..3 {
+            let resp = c
+                .send(post(&format!("http://127.0.0.1:{port}/v1/x?i={i}")), LONG)
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            assert_eq!(body_of(resp).await, "ok");
+        }
+        assert_eq!(seen.accepted.load(Ordering::SeqCst), 1);
+        let reqs = seen.requests.lock().unwrap().clone();
+        let host = Some(format!("127.0.0.1:{port}"));
+        assert_eq!(
+            reqs,
+            (0..3)
+                .map(|i| (format!("/v1/x?i={i}"), host.clone()))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(idle_h1(&c, port), 1);
+    }
+
+    #[tokio::test]
+    async fn a_host_header_already_set_is_kept() {
+        let (port, seen) = backend(false).await;
+        let mut req = post(&format!("http://127.0.0.1:{port}/"));
+        req.headers_mut()
+            .insert(header::HOST, HeaderValue::from_static("example.test"));
+        let resp = client().send(req, LONG).await.unwrap();
+        body_of(resp).await;
+        let reqs = seen.requests.lock().unwrap().clone();
+        assert_eq!(
+            reqs,
+            vec![("/".to_string(), Some("example.test".to_string()))]
+        );
+    }
+
+    #[tokio::test]
+    async fn concurrent_requests_each_get_a_connection_and_all_are_kept() {
+        let (port, seen) = backend(false).await;
+        let c = client();
+        let url = format!("http://127.0.0.1:{port}/");
+        let (a, b) = tokio::join!(c.send(post(&url), LONG), c.send(post(&url), LONG));
+        body_of(a.unwrap()).await;
+        body_of(b.unwrap()).await;
+        assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(idle_h1(&c, port), 2);
+        // Both reused afterwards: no third connection.
+        let (a, b) = tokio::join!(c.send(post(&url), LONG), c.send(post(&url), LONG));
+        body_of(a.unwrap()).await;
+        body_of(b.unwrap()).await;
+        assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_body_was_dropped_unread_is_not_reused() {
+        let (port, seen) = backend(false).await;
+        let c = client();
+        let resp = c
+            .send(post(&format!("http://127.0.0.1:{port}/stall")), LONG)
+            .await
+            .unwrap();
+        let mut body = resp.into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "a");
+        drop(body);
+        assert_eq!(idle_h1(&c, port), 0);
+        let resp = c
+            .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
+            .await
+            .unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// A backend that answers one request per connection and closes it right after,
+    /// without saying so (no `Connection: close`), as an idle timeout on its side would.
+    async fn closing_backend() -> (u16, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    // Headers, then the 13-byte body the tests send.
+                    loop {
+                        let n = s.read(&mut chunk).await.unwrap_or(0);
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        if let Some(end) = memchr::memmem::find(&buf, b"\r\n\r\n") {
+                            if buf.len() >= end + 4 + 13 {
+                                break;
+                            }
+                        }
+                    }
+                    let _ = s
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await;
+                    let _ = s.shutdown().await;
+                });
+            }
+        });
+        (port, accepted)
+    }
+
+    #[tokio::test]
+    async fn connections_the_backend_closed_are_not_used_again() {
+        let (port, accepted) = closing_backend().await;
+        let c = client();
+        for _ in 0..10 {
+            let resp = c
+                .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
+                .await
+                .unwrap();
+            assert_eq!(body_of(resp).await, "ok");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 10);
+    }
+
+    #[tokio::test]
+    async fn http2_connections_carry_concurrent_requests() {
+        let (port, seen) = backend(true).await;
+        let c = UpstreamClient::build(Duration::from_secs(5), true);
+        let url = format!("http://127.0.0.1:{port}/v1/y");
+        let (a, b) = tokio::join!(c.send(post(&url), LONG), c.send(post(&url), LONG));
+        assert_eq!(body_of(a.unwrap()).await, "ok");
+        assert_eq!(body_of(b.unwrap()).await, "ok");
+        let resp = c.send(post(&url), LONG).await.unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        // The first two raced to connect; the third went over a kept connection.
+        let accepted = seen.accepted.load(Ordering::SeqCst);
+        assert!((1..=2).contains(&accepted), "{accepted} connections");
+        let reqs = seen.requests.lock().unwrap().clone();
+        assert_eq!(reqs.len(), 3);
+        for (uri, _) in reqs {
+            assert_eq!(uri, url);
+        }
+    }
+
+    #[tokio::test]
+    async fn nothing_listening_is_a_connect_error() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let err = client()
+            .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AttemptError::Connect(_)), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn a_relative_uri_is_refused() {
+        let err = client().send(post("/v1/x"), LONG).await.unwrap_err();
+        assert!(matches!(err, AttemptError::Request(_)), "{err:?}");
+    }
+
+    #[test]
+    fn host_header_drops_only_the_default_port() {
+        let h = |s: &str, a: &str| host_header(&s.parse().unwrap(), &a.parse().unwrap());
+        assert_eq!(
+            h("https", "r.openai.azure.com").unwrap(),
+            "r.openai.azure.com"
+        );
+        assert_eq!(
+            h("https", "r.openai.azure.com:443").unwrap(),
+            "r.openai.azure.com"
+        );
+        assert_eq!(
+            h("https", "r.openai.azure.com:8443").unwrap(),
+            "r.openai.azure.com:8443"
+        );
+        assert_eq!(h("http", "127.0.0.1:80").unwrap(), "127.0.0.1");
+        assert_eq!(h("http", "127.0.0.1:8080").unwrap(), "127.0.0.1:8080");
+        assert_eq!(h("http", "[::1]:9000").unwrap(), "[::1]:9000");
+    }
+
+    /// A connection as the pool sees it, with its state set by the test.
+    #[derive(Clone, Default)]
+    struct Fake {
+        id: usize,
+        closed: Arc<AtomicBool>,
+        busy: Arc<AtomicBool>,
+    }
+
+    impl Fake {
+        fn new(id: usize) -> Fake {
+            Fake {
+                id,
+                ..Fake::default()
+            }
+        }
+    }
+
+    impl Reusable for Fake {
+        fn is_closed(&self) -> bool {
+            self.closed.load(Ordering::SeqCst)
+        }
+        fn is_ready(&self) -> bool {
+            !self.busy.load(Ordering::SeqCst)
+        }
+    }
+
+    fn taken_h1(t: Option<Conn<Fake, Fake>>) -> Option<usize> {
+        match t {
+            Some(Conn::H1(f)) => Some(f.id),
+            Some(Conn::H2(_)) => panic!("an HTTP/2 connection"),
+            None => None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_pool_gives_the_newest_ready_connection_and_drops_dead_ones() {
+        let mut pool: Pool<Fake, Fake> = Pool::default();
+        let o = origin(1);
+        let now = Instant::now();
+        let (a, b, c) = (Fake::new(1), Fake::new(2), Fake::new(3));
+        pool.put(&o, a.clone(), now);
+        pool.put(&o, b.clone(), now);
+        pool.put(&o, c.clone(), now);
+        c.busy.store(true, Ordering::SeqCst);
+        b.closed.store(true, Ordering::SeqCst);
+        // c is not ready yet (kept), b is closed (dropped): a.
+        assert_eq!(taken_h1(pool.take(&o, now)), Some(1));
+        assert_eq!(pool.idle_h1(&o), 1);
+        assert_eq!(taken_h1(pool.take(&o, now)), None);
+        c.busy.store(false, Ordering::SeqCst);
+        assert_eq!(taken_h1(pool.take(&o, now)), Some(3));
+        assert_eq!(taken_h1(pool.take(&origin(2), now)), None);
+        // A closed connection is not kept at all.
+        pool.put(&o, b, now);
+        assert_eq!(pool.idle_h1(&o), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_connections_expire_and_the_count_is_capped() {
+        let mut pool: Pool<Fake, Fake> = Pool::default();
+        let o = origin(1);
+        let t0 = Instant::now();
+        for i in 0..MAX_IDLE_PER_ORIGIN + 2 {
+            pool.put(&o, Fake::new(i), t0);
+        }
+        // The two idle longest went.
+        assert_eq!(pool.idle_h1(&o), MAX_IDLE_PER_ORIGIN);
+        assert_eq!(pool.origins[&o].h1[0].0.id, 2);
+        pool.put(&o, Fake::new(1000), t0 + Duration::from_secs(60));
+        // Past the idle timeout of all but the last one.
+        let later = t0 + IDLE_TIMEOUT + Duration::from_secs(1);
+        assert_eq!(taken_h1(pool.take(&o, later)), Some(1000));
+        assert_eq!(taken_h1(pool.take(&o, later)), None);
+        assert_eq!(pool.idle_h1(&o), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_shared_http2_connection_is_taken_until_it_closes_or_idles_out() {
+        let mut pool: Pool<Fake, Fake> = Pool::default();
+        let o = origin(1);
+        let t0 = Instant::now();
+        let h2 = Fake::new(7);
+        pool.put_shared(&o, h2.clone(), t0);
+        for i in 0..3 {
+            let t = t0 + Duration::from_secs(60 * i);
+            assert!(matches!(pool.take(&o, t), Some(Conn::H2(f)) if f.id == 7));
+        }
+        // Last used at 120 s: gone past 120 s + the idle timeout.
+        let t = t0 + Duration::from_secs(120) + IDLE_TIMEOUT;
+        assert!(pool.take(&o, t).is_none());
+        pool.put_shared(&o, h2.clone(), t);
+        h2.closed.store(true, Ordering::SeqCst);
+        assert!(pool.take(&o, t).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_reaper_closes_idle_connections_without_requests_then_stops() {
+        let pool: Arc<Mutex<Pool<Fake, Fake>>> = Arc::default();
+        let o = origin(1);
+        let live = Fake::new(1);
+        {
+            let mut guard = lock(&pool);
+            guard.put(&o, live.clone(), Instant::now());
+            keep_reaped(&pool, &mut guard);
+            // One reaper per pool.
+            assert!(!guard.start_reaping());
+        }
+        tokio::time::sleep(IDLE_TIMEOUT - Duration::from_secs(1)).await;
+        assert_eq!(lock(&pool).idle_h1(&o), 1);
+        tokio::time::sleep(SWEEP_EVERY + Duration::from_secs(2)).await;
+        let guard = lock(&pool);
+        assert_eq!(guard.idle_h1(&o), 0);
+        assert!(guard.origins.is_empty());
+        assert!(!guard.reaping, "the reaper stops once the pool is empty");
+        // Only the pool held the connection: it was dropped (closed).
+        assert_eq!(Arc::strong_count(&live.closed), 1);
+    }
 }
