@@ -78,7 +78,8 @@ fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
 /// credentials, cookies, `Host` and framing headers (the client recomputes those).
 fn forward_headers(client: &HeaderMap) -> HeaderMap {
     let tokens = connection_tokens(client);
-    let mut out = HeaderMap::with_capacity(client.len());
+    // Room for `Host` and a credential, added to each attempt's copy.
+    let mut out = HeaderMap::with_capacity(client.len() + 2);
     for (name, value) in client {
         let n = name.as_str();
         if is_hop_by_hop(name, &tokens)
@@ -108,20 +109,31 @@ const CLIENT_ONLY_HEADERS: [&str; 5] = [
 /// Backend response headers that are the backend account's business, not the client's.
 const BACKEND_ONLY_HEADERS: [&str; 3] = ["openai-organization", "openai-project", "set-cookie"];
 
-/// The backend's response headers as they go to the client.
-fn response_headers(upstream: &HeaderMap) -> HeaderMap {
-    let tokens = connection_tokens(upstream);
-    let mut out = HeaderMap::with_capacity(upstream.len() + 2);
-    for (name, value) in upstream {
-        if name == HEADER_REQUEST_ID {
-            // The gateway's own id is the client's x-request-id; the backend's stays
-            // available for support requests to its provider.
-            out.append(HEADER_UPSTREAM_REQUEST_ID, value.clone());
-        } else if !is_hop_by_hop(name, &tokens) && !BACKEND_ONLY_HEADERS.contains(&name.as_str()) {
-            out.append(name.clone(), value.clone());
+/// The backend's response headers as they go to the client, filtered in place (most
+/// responses have nothing to take out, and building a new map hashed every name again).
+/// `extra` is room for the headers the gateway adds.
+fn response_headers(mut headers: HeaderMap, extra: usize) -> HeaderMap {
+    let tokens = connection_tokens(&headers);
+    let mut unwanted: Vec<HeaderName> = Vec::new();
+    for name in headers.keys() {
+        if is_hop_by_hop(name, &tokens) || BACKEND_ONLY_HEADERS.contains(&name.as_str()) {
+            unwanted.push(name.clone());
         }
     }
-    out
+    for name in &unwanted {
+        headers.remove(name);
+    }
+    // The gateway's own id is the client's x-request-id; the backend's stays available
+    // for support requests to its provider.
+    if let header::Entry::Occupied(e) = headers.entry(HEADER_REQUEST_ID) {
+        let (_, ids) = e.remove_entry_mult();
+        let ids: Vec<HeaderValue> = ids.collect();
+        for id in ids {
+            headers.append(HEADER_UPSTREAM_REQUEST_ID, id);
+        }
+    }
+    headers.reserve(extra);
+    headers
 }
 
 /// The response headers the gateway reads after every attempt (retry hints and rate
@@ -1726,8 +1738,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
         } => {
             let b = &snap.backends[backend];
             let served_model = candidate_model(ctx, model);
-            let (parts, body) = response.into_parts();
-            let mut headers = response_headers(&parts.headers);
+            let (mut parts, body) = response.into_parts();
             let content_type = parts
                 .headers
                 .get(header::CONTENT_TYPE)
@@ -1735,6 +1746,8 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 .unwrap_or("");
             let sse = content_type.starts_with("text/event-stream");
             let json_body = content_type.starts_with("application/json");
+            // Room for the three added here and the request id.
+            let mut headers = response_headers(std::mem::take(&mut parts.headers), 4);
             let strip = ctx.strip_usage && sse;
             if strip {
                 // The body changes length when the usage chunk is taken out.
@@ -2003,6 +2016,41 @@ mod tests {
             retry_hint(|n| s.get(n), 0),
             Some(Duration::from_millis(1500))
         );
+    }
+
+    #[test]
+    fn backend_only_and_hop_by_hop_headers_stay_behind_and_its_request_id_is_renamed() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("content-type", "application/json"),
+            ("connection", "keep-alive, x-hop"),
+            ("keep-alive", "timeout=5"),
+            ("x-hop", "1"),
+            ("transfer-encoding", "chunked"),
+            ("set-cookie", "a=1"),
+            ("openai-organization", "org"),
+            ("openai-project", "proj"),
+            ("x-request-id", "up-1"),
+            ("x-ratelimit-remaining-tokens", "900"),
+        ] {
+            h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        h.append("x-request-id", HeaderValue::from_static("up-2"));
+        h.append("set-cookie", HeaderValue::from_static("b=2"));
+        let out = response_headers(h, 4);
+        let mut names: Vec<_> = out.keys().map(|k| k.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(
+            names,
+            [
+                "content-type",
+                "x-ratelimit-remaining-tokens",
+                "x-upstream-request-id"
+            ]
+        );
+        let ids: Vec<_> = out.get_all("x-upstream-request-id").iter().collect();
+        assert_eq!(ids, ["up-1", "up-2"]);
+        assert_eq!(out["x-ratelimit-remaining-tokens"], "900");
     }
 
     #[test]
