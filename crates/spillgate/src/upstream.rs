@@ -10,7 +10,6 @@
 //! time-to-first-byte timeout wraps each request; the idle timeout between body chunks
 //! wraps the response body (in the proxy).
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
@@ -172,7 +171,7 @@ impl Upstream for UpstreamClient {
 }
 
 /// A backend origin: where a pooled connection leads.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Origin {
     scheme: Scheme,
     authority: Authority,
@@ -349,8 +348,10 @@ impl Reusable for H2 {
 }
 
 /// One thread's idle HTTP/1.1 connections and shared HTTP/2 connections, by origin.
+/// A list, not a map: a gateway has a handful of backend origins, and hashing an
+/// authority (byte by byte, case-folded) cost more than comparing a few.
 struct Pool<A, B> {
-    origins: HashMap<Origin, Idle<A, B>>,
+    origins: Vec<(Origin, Idle<A, B>)>,
     last_sweep: Option<Instant>,
     /// A [`reap`] task runs for this pool.
     reaping: bool,
@@ -359,7 +360,7 @@ struct Pool<A, B> {
 impl<A, B> Default for Pool<A, B> {
     fn default() -> Self {
         Pool {
-            origins: HashMap::new(),
+            origins: Vec::new(),
             last_sweep: None,
             reaping: false,
         }
@@ -412,7 +413,7 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
     /// HTTP/1.1 one idle the shortest time. Closed and expired ones are dropped on the way.
     fn take(&mut self, origin: &Origin, now: Instant) -> Option<Conn<A, B>> {
         self.maybe_sweep(now);
-        let idle = self.origins.get_mut(origin)?;
+        let idle = self.idle(origin)?;
         if let Some((c, since)) = &mut idle.h2 {
             if !c.is_closed() && now.duration_since(*since) < IDLE_TIMEOUT {
                 *since = now;
@@ -434,12 +435,30 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
         None
     }
 
+    fn idle(&mut self, origin: &Origin) -> Option<&mut Idle<A, B>> {
+        self.origins
+            .iter_mut()
+            .find(|(o, _)| o == origin)
+            .map(|(_, idle)| idle)
+    }
+
+    fn idle_or_new(&mut self, origin: &Origin) -> &mut Idle<A, B> {
+        let i = match self.origins.iter().position(|(o, _)| o == origin) {
+            Some(i) => i,
+            None => {
+                self.origins.push((origin.clone(), Idle::default()));
+                self.origins.len() - 1
+            }
+        };
+        &mut self.origins[i].1
+    }
+
     /// Keeps an HTTP/1.1 connection whose response has ended.
     fn put(&mut self, origin: &Origin, conn: A, now: Instant) {
         if conn.is_closed() {
             return;
         }
-        let idle = self.origins.entry(origin.clone()).or_default();
+        let idle = self.idle_or_new(origin);
         if idle.h1.len() >= MAX_IDLE_PER_ORIGIN {
             idle.h1.remove(0);
         }
@@ -448,7 +467,7 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
 
     /// Keeps an HTTP/2 connection for every request to `origin`.
     fn put_shared(&mut self, origin: &Origin, conn: B, now: Instant) {
-        self.origins.entry(origin.clone()).or_default().h2 = Some((conn, now));
+        self.idle_or_new(origin).h2 = Some((conn, now));
     }
 
     /// Whether the caller is to start a [`reap`] task for this pool (none runs yet).
@@ -467,7 +486,7 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
 
     fn sweep(&mut self, now: Instant) {
         self.last_sweep = Some(now);
-        self.origins.retain(|_, idle| {
+        self.origins.retain_mut(|(_, idle)| {
             idle.sweep(now);
             !idle.is_empty()
         });
@@ -475,7 +494,10 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
 
     #[cfg(test)]
     fn idle_h1(&self, origin: &Origin) -> usize {
-        self.origins.get(origin).map_or(0, |i| i.h1.len())
+        self.origins
+            .iter()
+            .find(|(o, _)| o == origin)
+            .map_or(0, |(_, i)| i.h1.len())
     }
 }
 
@@ -922,6 +944,14 @@ mod tests {
         // A closed connection is not kept at all.
         pool.put(&o, b, now);
         assert_eq!(pool.idle_h1(&o), 0);
+        // Origins are kept apart.
+        pool.put(&origin(2), Fake::new(20), now);
+        pool.put(&o, Fake::new(10), now);
+        pool.put(&origin(3), Fake::new(30), now);
+        assert_eq!(taken_h1(pool.take(&origin(2), now)), Some(20));
+        assert_eq!(taken_h1(pool.take(&origin(3), now)), Some(30));
+        assert_eq!(taken_h1(pool.take(&o, now)), Some(10));
+        assert_eq!(taken_h1(pool.take(&origin(2), now)), None);
     }
 
     #[tokio::test(start_paused = true)]
@@ -934,7 +964,7 @@ mod tests {
         }
         // The two idle longest went.
         assert_eq!(pool.idle_h1(&o), MAX_IDLE_PER_ORIGIN);
-        assert_eq!(pool.origins[&o].h1[0].0.id, 2);
+        assert_eq!(pool.origins[0].1.h1[0].0.id, 2);
         pool.put(&o, Fake::new(1000), t0 + Duration::from_secs(60));
         // Past the idle timeout of all but the last one.
         let later = t0 + IDLE_TIMEOUT + Duration::from_secs(1);
