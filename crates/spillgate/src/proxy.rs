@@ -1809,10 +1809,11 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 }
                 duration.observe(started.elapsed().as_secs_f64());
             });
-            let body = Body::new(crate::priority::UsageTap::new(
+            // The layers nest directly, boxed once at the top: each `Body::new` between
+            // them added a dynamic call and an error conversion to every poll of a chunk.
+            let body = crate::coalesce::Coalesce::new(crate::priority::UsageTap::new(
                 body, sse, json_body, strip, on_usage,
             ));
-            let body = crate::coalesce::Coalesce::new(body);
             let mut resp = Response::new(Body::new(crate::idle::IdleTimeout::new(idle, body)));
             *resp.status_mut() = parts.status;
             *resp.headers_mut() = headers;
