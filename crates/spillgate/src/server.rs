@@ -221,8 +221,11 @@ pub async fn start(app: Arc<App>) -> anyhow::Result<Running> {
     start_on(app, None).await
 }
 
-/// Like [`start`], with each accepted connection handed in turn to one of `workers`
-/// (see [`ConnectionThreads`]) instead of the current runtime.
+/// Like [`start`], with the connections served on `workers` (see [`ConnectionThreads`])
+/// instead of the current runtime: each connection thread accepts on its own listener
+/// bound to the same address (`SO_REUSEPORT`, the kernel spreads new connections over
+/// them) and serves what it accepted from start to end. A connection accepted on one
+/// thread and handed to another waited for that thread to wake, before its first byte.
 pub async fn start_on(
     app: Arc<App>,
     workers: Option<Arc<ConnectionThreads>>,
@@ -231,87 +234,62 @@ pub async fn start_on(
     let server_cfg = snap.config.server.clone();
     let header_timeout = snap.config.timeouts.client_header;
     drop(snap);
-    let listener = TcpListener::bind(server_cfg.listen).await?;
-    let addr = listener.local_addr()?;
-    let (stop, mut stopped) = watch::channel(false);
+    let listeners = match &workers {
+        None => vec![TcpListener::bind(server_cfg.listen).await?.into_std()?],
+        Some(w) => bind_shared(server_cfg.listen, w.len())?,
+    };
+    let addr = listeners[0].local_addr()?;
+    let (stop, stopped) = watch::channel(false);
     crate::health::spawn(&app);
     app.start_store();
-    let service = router(Arc::clone(&app));
-    let task = tokio::spawn(async move {
-        let mut http = hyper::server::conn::http1::Builder::new();
-        http.timer(TokioTimer::new())
-            .max_buf_size(server_cfg.max_header_bytes)
-            .max_headers(server_cfg.max_headers)
-            .header_read_timeout(header_timeout)
-            .keep_alive(true);
-        let graceful = GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .max_buf_size(server_cfg.max_header_bytes)
+        .max_headers(server_cfg.max_headers)
+        .header_read_timeout(header_timeout)
+        .keep_alive(true);
+    let accept = Accept {
+        http,
+        service: router(Arc::clone(&app)),
+        graceful: Arc::new(GracefulShutdown::new()),
         // Each connection holds a permit: past the limit, new connections wait in the
         // kernel's accept queue instead of exhausting memory and file descriptors.
-        let permits = Arc::new(Semaphore::new(server_cfg.max_connections));
-        loop {
-            let permit = tokio::select! {
-                p = Arc::clone(&permits).acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => break,
-                },
-                _ = stopped.changed() => break,
-            };
-            let accepted = tokio::select! {
-                a = listener.accept() => a,
-                _ = stopped.changed() => break,
-            };
-            let (stream, _peer) = match accepted {
-                Ok(s) => s,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off briefly, keep serving.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let _ = stream.set_nodelay(true);
-            let service = TowerToHyperService::new(service.clone());
-            let watcher = graceful.watcher();
-            match &workers {
-                Some(w) => {
-                    // The socket moves to the connection thread's own reactor: registered
-                    // with this runtime's, every readiness event of the connection would
-                    // be picked up here and handed across threads.
-                    let stream = match stream.into_std() {
-                        Ok(s) => s,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not hand a connection over");
-                            continue;
-                        }
-                    };
-                    let http = http.clone();
-                    w.spawn(async move {
-                        let stream = match tokio::net::TcpStream::from_std(stream) {
-                            Ok(s) => s,
-                            Err(e) => {
-                                tracing::warn!(error = %e, "could not take a connection over");
-                                return;
-                            }
-                        };
-                        serve_connection(&http, stream, service, watcher).await;
-                        drop(permit);
-                    });
-                }
-                None => {
-                    let http = http.clone();
-                    tokio::spawn(async move {
-                        serve_connection(&http, stream, service, watcher).await;
-                        drop(permit);
-                    });
-                }
+        permits: Arc::new(Semaphore::new(server_cfg.max_connections)),
+        stopped,
+    };
+    let graceful = Arc::clone(&accept.graceful);
+    let mut loops = Vec::new();
+    for (i, listener) in listeners.into_iter().enumerate() {
+        let accept = accept.clone();
+        // The listener is registered with the reactor of the runtime that accepts on it.
+        let run = async move {
+            match TcpListener::from_std(listener) {
+                Ok(l) => accept.run(l).await,
+                Err(e) => tracing::error!(error = %e, "could not listen on a connection thread"),
             }
+        };
+        loops.push(match &workers {
+            Some(w) => w.spawn_on(i, run),
+            None => tokio::spawn(run),
+        });
+    }
+    drop(accept);
+    let task = tokio::spawn(async move {
+        // The connection threads run as long as they are referenced: until the drain ends.
+        let _workers = workers;
+        // The accept loops end (closing their listeners: new connections are refused at
+        // once) when `stop` says so.
+        for l in loops {
+            let _ = l.await;
         }
-        // Stop accepting: closing the listener makes new connections fail at once.
-        drop(listener);
         tracing::info!(
             drain_timeout_ms = server_cfg.drain_timeout.as_millis() as u64,
             "draining in-flight requests"
         );
+        // Every loop has ended, so this is the last reference.
+        let Ok(graceful) = Arc::try_unwrap(graceful) else {
+            return;
+        };
         if tokio::time::timeout(server_cfg.drain_timeout, graceful.shutdown())
             .await
             .is_err()
@@ -327,6 +305,77 @@ pub async fn start_on(
     })
 }
 
+/// `n` listeners on `addr`, sharing it with `SO_REUSEPORT` (port 0: a free port), not yet
+/// registered with any runtime.
+fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+    // An address something else listens on is refused, as a plain bind would be: a second
+    // gateway started on the same port must fail, not silently take half the connections
+    // (listeners with SO_REUSEPORT of the same user share a port).
+    let addr = std::net::TcpListener::bind(addr)?.local_addr()?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n.max(1) {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        // As `TcpListener::bind` does: a restarted gateway can bind while connections
+        // of the previous one are in TIME_WAIT.
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(true)?;
+        socket.bind(addr)?;
+        out.push(socket.listen(1024)?.into_std()?);
+    }
+    Ok(out)
+}
+
+/// What each accept loop shares.
+#[derive(Clone)]
+struct Accept {
+    http: hyper::server::conn::http1::Builder,
+    service: Gateway,
+    graceful: Arc<GracefulShutdown>,
+    permits: Arc<Semaphore>,
+    stopped: watch::Receiver<bool>,
+}
+
+impl Accept {
+    /// Accepts on `listener` until stopped, serving each connection as a task of the
+    /// current runtime.
+    async fn run(mut self, listener: TcpListener) {
+        loop {
+            let permit = tokio::select! {
+                p = Arc::clone(&self.permits).acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                _ = self.stopped.changed() => break,
+            };
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = self.stopped.changed() => break,
+            };
+            let (stream, _peer) = match accepted {
+                Ok(s) => s,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off briefly, keep serving.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let service = TowerToHyperService::new(self.service.clone());
+            let watcher = self.graceful.watcher();
+            let http = self.http.clone();
+            tokio::spawn(async move {
+                serve_connection(&http, stream, service, watcher).await;
+                drop(permit);
+            });
+        }
+    }
+}
+
 /// Serves one client connection to its end, or until a graceful shutdown closes it.
 async fn serve_connection(
     http: &hyper::server::conn::http1::Builder,
@@ -340,14 +389,14 @@ async fn serve_connection(
     }
 }
 
-/// One single-threaded runtime per core, each serving the connections handed to it from
-/// start to end, with its own upstream connection pool (nginx's process-per-core layout).
+/// One single-threaded runtime per core, each accepting connections on its own listener
+/// and serving them from start to end, with its own upstream connection pool (nginx's
+/// process-per-core layout).
 /// A request then runs on one thread from the client's bytes to the backend's answer:
 /// measured on 2 cores, tokio's shared multi-threaded scheduler spent a third more CPU per
 /// proxied request on its workers waking each other than one thread did.
 pub struct ConnectionThreads {
     handles: Vec<tokio::runtime::Handle>,
-    next: std::sync::atomic::AtomicUsize,
     /// Dropped with the pool: each thread's runtime then finishes its `block_on`.
     _stop: watch::Sender<()>,
 }
@@ -382,13 +431,70 @@ impl ConnectionThreads {
         }
         Ok(Arc::new(ConnectionThreads {
             handles,
-            next: std::sync::atomic::AtomicUsize::new(0),
             _stop: stop,
         }))
     }
 
-    fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
-        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.handles.len();
-        self.handles[i].spawn(fut);
+    /// How many connection threads there are.
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Never: there is at least one thread.
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
+    }
+
+    /// Runs `fut` on connection thread `i` (modulo their number).
+    fn spawn_on(
+        &self,
+        i: usize,
+        fut: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        self.handles[i % self.handles.len()].spawn(fut)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn shared_listeners_take_one_port_and_the_kernel_spreads_connections() {
+        let listeners = bind_shared("127.0.0.1:0".parse().unwrap(), 2).unwrap();
+        let addr = listeners[0].local_addr().unwrap();
+        assert_ne!(addr.port(), 0);
+        assert_eq!(listeners[1].local_addr().unwrap(), addr);
+        let listeners: Vec<TcpListener> = listeners
+            .into_iter()
+            .map(|l| TcpListener::from_std(l).unwrap())
+            .collect();
+        let mut clients = Vec::new();
+        for _ in 0..32 {
+            clients.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        // Each connection waits in exactly one listener's queue.
+        let mut counts = [0; 2];
+        for _ in 0..32 {
+            tokio::select! {
+                a = listeners[0].accept() => { a.unwrap(); counts[0] += 1; }
+                a = listeners[1].accept() => { a.unwrap(); counts[1] += 1; }
+            }
+        }
+        assert!(counts[0] > 0 && counts[1] > 0, "{counts:?}");
+    }
+
+    #[tokio::test]
+    async fn an_address_another_listener_holds_is_refused() {
+        // A plain listener, and another gateway's shared listeners.
+        let plain = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let gateway = bind_shared("127.0.0.1:0".parse().unwrap(), 2).unwrap();
+        for addr in [
+            plain.local_addr().unwrap(),
+            gateway[0].local_addr().unwrap(),
+        ] {
+            let err = bind_shared(addr, 2).unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{addr}");
+        }
     }
 }
