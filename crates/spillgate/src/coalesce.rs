@@ -9,7 +9,9 @@
 //! next; as long as chunks keep coming that way they are gathered, and the gathered bytes
 //! go out as soon as two turns in a row bring nothing. A stream whose chunks are spaced in time
 //! (every real model stream) is forwarded chunk by chunk as before, two scheduler turns
-//! later: microseconds, no added time to first byte that a client can see.
+//! later. The first chunk is not held at all: it usually arrives with the response head,
+//! and passed on at once it leaves with the head in one write (held, the head went out
+//! alone and the first event followed in a second write, two turns later).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -104,6 +106,8 @@ pub struct Coalesce<B: HttpBody> {
     idle: u32,
     /// The last poll returned `Pending` after waking its own task (a turn given away).
     yielded: bool,
+    /// A data chunk has been passed on or gathered.
+    started: bool,
 }
 
 // Nothing here is ever pinned in place: the held error is moved out, not polled.
@@ -119,6 +123,7 @@ impl<B: HttpBody> Coalesce<B> {
             turns: 0,
             idle: 0,
             yielded: false,
+            started: false,
         }
     }
 }
@@ -180,8 +185,10 @@ where
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) => {
-                        // The whole body in one frame (a JSON answer): no turn to wait for.
-                        if this.gathered.is_empty() && this.inner.is_end_stream() {
+                        // The first chunk (it goes out with the response head), or the
+                        // whole body in one frame (a JSON answer): no turn to wait for.
+                        let first = !std::mem::replace(&mut this.started, true);
+                        if this.gathered.is_empty() && (first || this.inner.is_end_stream()) {
                             return Poll::Ready(Some(Ok(Frame::data(data))));
                         }
                         this.gathered.push(data);
@@ -310,26 +317,48 @@ mod tests {
         }
     }
 
-    #[test]
-    fn chunks_handed_over_turn_by_turn_go_out_as_one_frame() {
-        // Chunks come one or two turns after the last, as from hyper's client.
+    /// A body whose first chunk ("0") was taken: it is passed on at once, with no turn
+    /// given away, to leave with the response head.
+    fn after_first(
+        steps: Vec<Option<Result<Frame<Bytes>, &'static str>>>,
+    ) -> (Coalesce<Script>, Arc<AtomicUsize>) {
+        let mut all = VecDeque::from(vec![data("0")]);
+        all.extend(steps);
         let mut body = Coalesce::new(Script {
-            steps: VecDeque::from(vec![
-                data("a"),
-                None,
-                data("b"),
-                None,
-                None,
-                data("c"),
-                None,
-                None,
-                None,
-                data("d"),
-            ]),
+            steps: all,
             ended: false,
             eager: false,
         });
         let wakes = Arc::new(AtomicUsize::new(0));
+        assert_eq!(text(poll(&mut body, &wakes)), "0");
+        assert_eq!(wakes.load(Ordering::Relaxed), 0);
+        (body, wakes)
+    }
+
+    #[test]
+    fn the_first_chunk_goes_out_at_once_and_the_next_ready_ones_are_joined() {
+        let (mut body, wakes) = after_first(vec![data("a"), data("b"), None, None]);
+        assert_eq!(text(poll(&mut body, &wakes)), "<pending>");
+        assert_eq!(text(poll(&mut body, &wakes)), "<pending>");
+        assert_eq!(text(poll(&mut body, &wakes)), "ab");
+        assert_eq!(wakes.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn chunks_handed_over_turn_by_turn_go_out_as_one_frame() {
+        // Chunks come one or two turns after the last, as from hyper's client.
+        let (mut body, wakes) = after_first(vec![
+            data("a"),
+            None,
+            data("b"),
+            None,
+            None,
+            data("c"),
+            None,
+            None,
+            None,
+            data("d"),
+        ]);
         for _ in 0..4 {
             assert_eq!(text(poll(&mut body, &wakes)), "<pending>");
         }
@@ -349,12 +378,7 @@ mod tests {
 
     #[test]
     fn a_lone_chunk_goes_out_after_one_turn_and_idle_waits_do_not_spin() {
-        let mut body = Coalesce::new(Script {
-            steps: VecDeque::from(vec![None, data("first"), None, None, None, None]),
-            ended: false,
-            eager: false,
-        });
-        let wakes = Arc::new(AtomicUsize::new(0));
+        let (mut body, wakes) = after_first(vec![None, data("first"), None, None, None, None]);
         assert_eq!(text(poll(&mut body, &wakes)), "<pending>");
         assert_eq!(
             wakes.load(Ordering::Relaxed),
@@ -375,21 +399,11 @@ mod tests {
             (Some(Err("broken")), "<err broken>"),
             (Some(Ok(Frame::trailers(HeaderMap::new()))), "<trailers>"),
         ] {
-            let mut body = Coalesce::new(Script {
-                steps: VecDeque::from(vec![data("x"), data("y"), last]),
-                ended: false,
-                eager: false,
-            });
-            let wakes = Arc::new(AtomicUsize::new(0));
+            let (mut body, wakes) = after_first(vec![data("x"), data("y"), last]);
             assert_eq!(text(poll(&mut body, &wakes)), "xy");
             assert_eq!(text(poll(&mut body, &wakes)), want);
         }
-        let mut body = Coalesce::new(Script {
-            steps: VecDeque::from(vec![data("x"), data("y")]),
-            ended: false,
-            eager: false,
-        });
-        let wakes = Arc::new(AtomicUsize::new(0));
+        let (mut body, wakes) = after_first(vec![data("x"), data("y")]);
         assert_eq!(text(poll(&mut body, &wakes)), "xy");
         assert!(body.is_end_stream());
         assert_eq!(text(poll(&mut body, &wakes)), "<end>");
@@ -413,12 +427,8 @@ mod tests {
     #[test]
     fn gathering_stops_at_the_size_cap() {
         let chunk: &'static str = Box::leak("z".repeat(40 * 1024).into_boxed_str());
-        let mut body = Coalesce::new(Script {
-            steps: VecDeque::from(vec![data(chunk), None, data(chunk), None, data(chunk)]),
-            ended: false,
-            eager: false,
-        });
-        let wakes = Arc::new(AtomicUsize::new(0));
+        let (mut body, wakes) =
+            after_first(vec![data(chunk), None, data(chunk), None, data(chunk)]);
         assert_eq!(text(poll(&mut body, &wakes)), "<pending>");
         assert_eq!(text(poll(&mut body, &wakes)).len(), 80 * 1024);
         assert_eq!(text(poll(&mut body, &wakes)), "<pending>");
