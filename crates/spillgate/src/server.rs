@@ -366,26 +366,16 @@ impl Accept {
             };
             let _ = stream.set_nodelay(true);
             let service = TowerToHyperService::new(self.service.clone());
-            let watcher = self.graceful.watcher();
-            let http = self.http.clone();
-            tokio::spawn(async move {
-                serve_connection(&http, stream, service, watcher).await;
+            let conn = self.http.serve_connection(TokioIo::new(stream), service);
+            // A combinator rather than an `async` block: the task holds the connection
+            // once (a block also kept what it was built from), for as long as it is open.
+            tokio::spawn(self.graceful.watcher().watch(conn).map(move |r| {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "client connection ended with an error");
+                }
                 drop(permit);
-            });
+            }));
         }
-    }
-}
-
-/// Serves one client connection to its end, or until a graceful shutdown closes it.
-async fn serve_connection(
-    http: &hyper::server::conn::http1::Builder,
-    stream: tokio::net::TcpStream,
-    service: TowerToHyperService<Gateway>,
-    watcher: hyper_util::server::graceful::Watcher,
-) {
-    let conn = http.serve_connection(TokioIo::new(stream), service);
-    if let Err(e) = watcher.watch(conn).await {
-        tracing::debug!(error = %e, "client connection ended with an error");
     }
 }
 
