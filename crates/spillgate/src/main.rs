@@ -152,8 +152,9 @@ fn main() -> ExitCode {
                 }
                 let app = spillgate::app::App::new(config)?;
                 let admin = spillgate::admin::start(std::sync::Arc::clone(&app)).await?;
-                // One connection thread per core; this runtime keeps the accept loop and
-                // the background work (health checks, reloads, token renewals, admin).
+                // One connection thread per core, each accepting and serving its own
+                // connections; this runtime keeps the background work (health checks,
+                // reloads, token renewals, admin).
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
                 let workers = spillgate::server::ConnectionThreads::start(cores)?;
                 let running =

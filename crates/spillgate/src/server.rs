@@ -252,8 +252,8 @@ pub async fn start_on(
         http,
         service: router(Arc::clone(&app)),
         graceful: Arc::new(GracefulShutdown::new()),
-        // Each connection holds a permit: past the limit, new connections wait in the
-        // kernel's accept queue instead of exhausting memory and file descriptors.
+        // Each connection holds a permit: past the limit, new connections wait (see
+        // `Accept::run`) instead of exhausting memory and file descriptors.
         permits: Arc::new(Semaphore::new(server_cfg.max_connections)),
         stopped,
     };
@@ -288,6 +288,7 @@ pub async fn start_on(
         );
         // Every loop has ended, so this is the last reference.
         let Ok(graceful) = Arc::try_unwrap(graceful) else {
+            tracing::warn!("an accept loop is still running; closing without a drain");
             return;
         };
         if tokio::time::timeout(server_cfg.drain_timeout, graceful.shutdown())
@@ -344,13 +345,6 @@ impl Accept {
     /// current runtime.
     async fn run(mut self, listener: TcpListener) {
         loop {
-            let permit = tokio::select! {
-                p = Arc::clone(&self.permits).acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => break,
-                },
-                _ = self.stopped.changed() => break,
-            };
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = self.stopped.changed() => break,
@@ -363,6 +357,18 @@ impl Accept {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
+            };
+            // Accepted first, then a slot: the kernel picks the listener, so a loop that
+            // took a slot before accepting could hold it while a connection waited in
+            // another listener's queue. Past the limit, each listener holds the one
+            // connection it accepted until a slot frees (in order of waiting), and the
+            // rest wait in the kernel's accept queues.
+            let permit = tokio::select! {
+                p = Arc::clone(&self.permits).acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                _ = self.stopped.changed() => break,
             };
             let _ = stream.set_nodelay(true);
             let service = TowerToHyperService::new(self.service.clone());

@@ -11,7 +11,7 @@
 //! wraps the response body (in the proxy).
 
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -145,11 +145,12 @@ pub fn host_header(scheme: &Scheme, authority: &Authority) -> Option<HeaderValue
         "https" => Some(443),
         _ => None,
     };
-    let host = match authority.port_u16() {
-        Some(p) if Some(p) != default => authority.as_str(),
-        _ => authority.host(),
+    // Host and port only: never the authority's user information.
+    let value = match authority.port_u16() {
+        Some(p) if Some(p) != default => format!("{}:{p}", authority.host()),
+        _ => authority.host().to_string(),
     };
-    HeaderValue::from_str(host).ok()
+    HeaderValue::from_str(&value).ok()
 }
 
 impl Upstream for UpstreamClient {
@@ -181,7 +182,7 @@ impl Inner {
     async fn request(
         &self,
         slot: usize,
-        mut req: http::Request<Full<Bytes>>,
+        req: http::Request<Full<Bytes>>,
     ) -> Result<http::Response<Body>, AttemptError> {
         let uri = req.uri();
         let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
@@ -203,53 +204,20 @@ impl Inner {
             // request's future that large, copied as it is set up.
             None => Box::pin(self.connect(pool, &origin)).await?,
         };
-        let mut h1 = match conn {
-            Conn::H1(h1) => h1,
-            Conn::H2(h2) => return send_h2(h2, req).await,
-        };
-        if !req.headers().contains_key(header::HOST) {
-            if let Some(host) = host_header(&origin.scheme, &origin.authority) {
-                req.headers_mut().insert(header::HOST, host);
-            }
-        }
-        // HTTP/1.1 to an origin server: the request line carries the path only.
-        let path = req
-            .uri()
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-        *req.uri_mut() = http::Uri::from(path);
-        let resp = match h1.try_send_request(req).await {
-            Ok(resp) => resp,
-            Err(mut e) => match e.take_message() {
-                // A pooled connection the backend closed just as it was taken: the request
-                // was not written, so it goes once more, on a new connection.
-                Some(req) if reused => {
-                    h1 = match Box::pin(self.connect(pool, &origin)).await? {
-                        Conn::H1(h1) => h1,
-                        Conn::H2(h2) => return send_h2(h2, req).await,
-                    };
-                    h1.send_request(req)
-                        .await
-                        .map_err(|e| AttemptError::Request(error_chain(&e)))?
+        match send_on(conn, req, pool, &origin).await {
+            Ok(resp) => Ok(resp),
+            // A pooled connection the backend closed (or sent GOAWAY on) just as it was
+            // taken: hyper gave the request back unwritten, so it goes once more, on a new
+            // connection. A request that may have been written is never sent again.
+            Err(Sent::Not(req, _)) if reused => {
+                let conn = Box::pin(self.connect(pool, &origin)).await?;
+                match send_on(conn, *req, pool, &origin).await {
+                    Ok(resp) => Ok(resp),
+                    Err(Sent::Not(_, e) | Sent::Failed(e)) => Err(AttemptError::Request(e)),
                 }
-                _ => return Err(AttemptError::Request(error_chain(e.error()))),
-            },
-        };
-        Ok(resp.map(|body| {
-            let mut body = Pooled {
-                body,
-                give_back: Some(GiveBack {
-                    conn: h1,
-                    pool: Arc::downgrade(pool),
-                    origin,
-                }),
-            };
-            if http_body::Body::is_end_stream(&body.body) {
-                body.give_back();
             }
-            Body::new(body)
-        }))
+            Err(Sent::Not(_, e) | Sent::Failed(e)) => Err(AttemptError::Request(e)),
+        }
     }
 
     /// Opens a connection to `origin`, HTTP/2 when the backend picks it by ALPN (kept in
@@ -281,8 +249,7 @@ impl Inner {
             tokio::spawn(drive(conn));
             let mut guard = lock(pool);
             guard.put_shared(origin, h2.clone(), Instant::now());
-            keep_reaped(pool, &mut guard);
-            drop(guard);
+            keep_reaped(pool, guard);
             Ok(Conn::H2(h2))
         } else {
             let (h1, conn) = http1::Builder::new()
@@ -310,16 +277,84 @@ where
     })
 }
 
-async fn send_h2(
-    mut h2: H2,
+/// Why a request on a connection got no response.
+enum Sent {
+    /// Given back unwritten by hyper, as it came (absolute URI, `Host` as it was).
+    Not(Box<http::Request<Full<Bytes>>>, String),
+    /// Failed, possibly after being written.
+    Failed(String),
+}
+
+/// Sends `req` (with its absolute URI) on `conn`: over HTTP/1.1 in origin form with a
+/// `Host` header, the connection going back to `pool` when the response body ends; over
+/// HTTP/2 with the authority in the URI and no `Host`.
+async fn send_on(
+    conn: Conn<H1, H2>,
     mut req: http::Request<Full<Bytes>>,
-) -> Result<http::Response<Body>, AttemptError> {
-    // HTTP/2 carries the authority in the request's `:authority`, from its URI.
-    req.headers_mut().remove(header::HOST);
-    h2.send_request(req)
-        .await
-        .map(|resp| resp.map(Body::new))
-        .map_err(|e| AttemptError::Request(error_chain(&e)))
+    pool: &SharedPool,
+    origin: &Origin,
+) -> Result<http::Response<Body>, Sent> {
+    match conn {
+        Conn::H1(mut h1) => {
+            if !req.headers().contains_key(header::HOST) {
+                if let Some(host) = host_header(&origin.scheme, &origin.authority) {
+                    req.headers_mut().insert(header::HOST, host);
+                }
+            }
+            // HTTP/1.1 to an origin server: the request line carries the path only.
+            let path = req
+                .uri()
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+            let absolute = std::mem::replace(req.uri_mut(), http::Uri::from(path));
+            match h1.try_send_request(req).await {
+                Ok(resp) => Ok(resp.map(|body| {
+                    let mut body = Pooled {
+                        body,
+                        give_back: Some(GiveBack {
+                            conn: h1,
+                            pool: Arc::downgrade(pool),
+                            origin: origin.clone(),
+                        }),
+                    };
+                    if http_body::Body::is_end_stream(&body.body) {
+                        body.give_back();
+                    }
+                    Body::new(body)
+                })),
+                Err(mut e) => {
+                    let error = error_chain(e.error());
+                    match e.take_message() {
+                        Some(mut req) => {
+                            *req.uri_mut() = absolute;
+                            Err(Sent::Not(Box::new(req), error))
+                        }
+                        None => Err(Sent::Failed(error)),
+                    }
+                }
+            }
+        }
+        Conn::H2(mut h2) => {
+            // HTTP/2 carries the authority in the request's `:authority`, from its URI.
+            let host = req.headers_mut().remove(header::HOST);
+            match h2.try_send_request(req).await {
+                Ok(resp) => Ok(resp.map(Body::new)),
+                Err(mut e) => {
+                    let error = error_chain(e.error());
+                    match e.take_message() {
+                        Some(mut req) => {
+                            if let Some(host) = host {
+                                req.headers_mut().insert(header::HOST, host);
+                            }
+                            Err(Sent::Not(Box::new(req), error))
+                        }
+                        None => Err(Sent::Failed(error)),
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The pool's lock; a poisoned one (a panic while held, which the pool code cannot
@@ -509,31 +544,50 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
     }
 }
 
-/// Sweeps `pool` every [`SWEEP_EVERY`] while it keeps connections, so idle ones close
+/// A running [`reap`] task of a pool. Dropped with the task (also when the task's runtime
+/// goes away before finishing it, or before ever running it): the pool then starts a new
+/// reaper with its next connection.
+struct Reaping<A, B>(Weak<Mutex<Pool<A, B>>>);
+
+impl<A, B> Drop for Reaping<A, B> {
+    fn drop(&mut self) {
+        if let Some(pool) = self.0.upgrade() {
+            lock(&pool).reaping = false;
+        }
+    }
+}
+
+/// Sweeps the pool every [`SWEEP_EVERY`] while it keeps connections, so idle ones close
 /// after [`IDLE_TIMEOUT`] even when no request comes to take them.
-async fn reap<A: Reusable, B: Reusable + Clone>(pool: Weak<Mutex<Pool<A, B>>>) {
+async fn reap<A: Reusable, B: Reusable + Clone>(reaping: Reaping<A, B>) {
     loop {
         tokio::time::sleep(SWEEP_EVERY).await;
-        let Some(pool) = pool.upgrade() else { return };
+        let Some(pool) = reaping.0.upgrade() else {
+            return;
+        };
         let mut pool = lock(&pool);
         pool.sweep(Instant::now());
         if pool.origins.is_empty() {
-            pool.reaping = false;
             return;
         }
     }
 }
 
 /// Starts a [`reap`] task for `pool` when none runs (and a runtime is there to run it).
-fn keep_reaped<A, B>(pool: &Arc<Mutex<Pool<A, B>>>, guard: &mut Pool<A, B>)
+/// Takes the pool's lock and releases it before spawning: a runtime that is shutting
+/// down drops the task at once, and the task's end takes the lock.
+fn keep_reaped<A, B>(pool: &Arc<Mutex<Pool<A, B>>>, mut guard: MutexGuard<'_, Pool<A, B>>)
 where
     A: Reusable + Send + 'static,
     B: Reusable + Clone + Send + 'static,
 {
-    if let Ok(rt) = tokio::runtime::Handle::try_current() {
-        if guard.start_reaping() {
-            rt.spawn(reap(Arc::downgrade(pool)));
-        }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let start = guard.start_reaping();
+    drop(guard);
+    if start {
+        rt.spawn(reap(Reaping(Arc::downgrade(pool))));
     }
 }
 
@@ -546,7 +600,7 @@ struct GiveBack {
 
 /// A response body over a pooled HTTP/1.1 connection: at its end, the connection goes
 /// back to its pool. Dropped before its end (the client left, a timeout), the
-/// connection is not reused (hyper closes it unless the rest was already read).
+/// connection is dropped with it and closes.
 struct Pooled {
     body: Incoming,
     give_back: Option<GiveBack>,
@@ -558,7 +612,7 @@ impl Pooled {
             if let Some(pool) = g.pool.upgrade() {
                 let mut guard = lock(&pool);
                 guard.put(&g.origin, g.conn, Instant::now());
-                keep_reaped(&pool, &mut guard);
+                keep_reaped(&pool, guard);
             }
         }
     }
@@ -853,8 +907,9 @@ mod tests {
         assert!((1..=2).contains(&accepted), "{accepted} connections");
         let reqs = seen.requests.lock().unwrap().clone();
         assert_eq!(reqs.len(), 3);
-        for (uri, _) in reqs {
+        for (uri, host) in reqs {
             assert_eq!(uri, url);
+            assert_eq!(host, None, "the authority goes in :authority only");
         }
     }
 
@@ -877,6 +932,93 @@ mod tests {
         assert!(matches!(err, AttemptError::Request(_)), "{err:?}");
     }
 
+    #[tokio::test]
+    async fn a_connection_still_reading_its_body_is_not_taken() {
+        let (port, seen) = backend(false).await;
+        let c = client();
+        let stalled = c
+            .send(post(&format!("http://127.0.0.1:{port}/stall")), LONG)
+            .await
+            .unwrap();
+        let mut stalled = stalled.into_body();
+        assert_eq!(
+            stalled.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "a"
+        );
+        let resp = c
+            .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
+            .await
+            .unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
+        drop(stalled);
+    }
+
+    /// Reads one request of the tests' 13-byte body from a blocking socket.
+    fn read_request(s: &mut std::net::TcpStream) -> bool {
+        use std::io::Read;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let n = s.read(&mut chunk).unwrap_or(0);
+            if n == 0 {
+                return false;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(end) = memchr::memmem::find(&buf, b"\r\n\r\n") {
+                if buf.len() >= end + 4 + 13 {
+                    return true;
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_the_backend_may_have_read_is_not_sent_again() {
+        use std::io::Write;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            // Answers the first request, reads the second and closes without an answer;
+            // any later connection is answered, so a resend would succeed.
+            let (mut s, _) = listener.accept().unwrap();
+            assert!(read_request(&mut s));
+            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .unwrap();
+            assert!(read_request(&mut s));
+            drop(s);
+            while let Ok((mut s, _)) = listener.accept() {
+                if read_request(&mut s) {
+                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nresent");
+                }
+            }
+        });
+        let c = client();
+        let url = format!("http://127.0.0.1:{port}/");
+        let resp = c.send(post(&url), LONG).await.unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        let err = c.send(post(&url), LONG).await.unwrap_err();
+        assert!(matches!(err, AttemptError::Request(_)), "{err:?}");
+    }
+
+    #[test]
+    fn a_pool_whose_reaper_died_with_its_runtime_starts_a_new_one() {
+        let pool: Arc<Mutex<Pool<Fake, Fake>>> = Arc::default();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut guard = lock(&pool);
+            guard.put(&origin(1), Fake::new(1), Instant::now());
+            keep_reaped(&pool, guard);
+        });
+        assert!(lock(&pool).reaping);
+        drop(rt);
+        assert!(!lock(&pool).reaping, "the reaper's end is seen");
+        assert!(lock(&pool).start_reaping());
+    }
+
     #[test]
     fn host_header_drops_only_the_default_port() {
         let h = |s: &str, a: &str| host_header(&s.parse().unwrap(), &a.parse().unwrap());
@@ -895,6 +1037,11 @@ mod tests {
         assert_eq!(h("http", "127.0.0.1:80").unwrap(), "127.0.0.1");
         assert_eq!(h("http", "127.0.0.1:8080").unwrap(), "127.0.0.1:8080");
         assert_eq!(h("http", "[::1]:9000").unwrap(), "[::1]:9000");
+        assert_eq!(
+            h("https", "user:secret@r.example:8443").unwrap(),
+            "r.example:8443"
+        );
+        assert_eq!(h("https", "user:secret@r.example").unwrap(), "r.example");
     }
 
     /// A connection as the pool sees it, with its state set by the test.
@@ -1008,9 +1155,9 @@ mod tests {
         {
             let mut guard = lock(&pool);
             guard.put(&o, live.clone(), Instant::now());
-            keep_reaped(&pool, &mut guard);
+            keep_reaped(&pool, guard);
             // One reaper per pool.
-            assert!(!guard.start_reaping());
+            assert!(!lock(&pool).start_reaping());
         }
         tokio::time::sleep(IDLE_TIMEOUT - Duration::from_secs(1)).await;
         assert_eq!(lock(&pool).idle_h1(&o), 1);

@@ -565,6 +565,52 @@ async fn connections_served_on_per_core_threads_work_end_to_end() {
         .expect("drained");
 }
 
+/// With a connection limit below the number of connection threads, every new connection
+/// is still served once a slot frees, whichever thread's listener the kernel gives it to;
+/// and a stream in flight on a connection thread finishes while the gateway drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_core_listeners_share_the_connection_limit_and_drain_streams() {
+    let mut env = Env::start(vec![b("p1", 1)], "").await;
+    let config = config_for(&[b("p1", 1)], &env.mocks, "max_connections = 1", "");
+    let workers = spillgate::server::ConnectionThreads::start(2).unwrap();
+    env.gw = spillgate::server::start_on(App::new(config).unwrap(), Some(workers))
+        .await
+        .unwrap();
+    for i in 0..20 {
+        // A new connection each time: with a slot taken by a listener that waits in
+        // accept, one that landed on the other listener would wait forever.
+        let client = Client::builder(TokioExecutor::new()).build_http();
+        let req = env
+            .request("POST", "/v1/chat/completions", CHAT)
+            .header("connection", "close")
+            .body(Full::new(Bytes::from(CHAT)))
+            .unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+            .await
+            .unwrap_or_else(|_| panic!("connection {i} was never served"))
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.into_body().collect().await.unwrap();
+    }
+    env.mocks[0].push_script(vec![Reply::stream(5, 100)]);
+    let mut body = open_stream(&env).await;
+    let Env {
+        gw, mocks: _mocks, ..
+    } = env;
+    let drain = tokio::spawn(gw.shutdown());
+    let mut text = String::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(d) = frame.unwrap().into_data() {
+            text.push_str(&String::from_utf8_lossy(&d));
+        }
+    }
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    tokio::time::timeout(Duration::from_secs(10), drain)
+        .await
+        .expect("drained")
+        .unwrap();
+}
+
 /// A backend that sends a whole stream at once (a fast local server, a cached answer)
 /// gets it to the client in a few writes, not one write per chunk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
