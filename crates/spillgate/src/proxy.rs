@@ -2019,10 +2019,18 @@ mod tests {
         );
     }
 
+    /// A header map of `pairs`, in order, repeated names appended.
+    fn header_map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        h
+    }
+
     #[test]
     fn backend_only_and_hop_by_hop_headers_stay_behind_and_its_request_id_is_renamed() {
-        let mut h = HeaderMap::new();
-        for (k, v) in [
+        let mut h = header_map(&[
             ("content-type", "application/json"),
             ("connection", "keep-alive, x-hop"),
             ("keep-alive", "timeout=5"),
@@ -2033,9 +2041,7 @@ mod tests {
             ("openai-project", "proj"),
             ("x-request-id", "up-1"),
             ("x-ratelimit-remaining-tokens", "900"),
-        ] {
-            h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
-        }
+        ]);
         h.append("x-request-id", HeaderValue::from_static("up-2"));
         h.append("set-cookie", HeaderValue::from_static("b=2"));
         let out = response_headers(h, 4);
@@ -2056,8 +2062,7 @@ mod tests {
 
     #[test]
     fn client_network_and_credentials_stay_behind() {
-        let mut h = HeaderMap::new();
-        for (k, v) in [
+        let h = header_map(&[
             ("api-key", "k"),
             ("authorization", "Bearer k"),
             ("forwarded", "for=10.0.0.1"),
@@ -2069,9 +2074,7 @@ mod tests {
             ("openai-organization", "org"),
             ("user-agent", "OpenAI/Python"),
             ("x-forwarded", "kept: not a forwarding header family"),
-        ] {
-            h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
-        }
+        ]);
         let out = forward_headers(&h);
         let names: Vec<_> = out.keys().map(|k| k.as_str()).collect();
         assert_eq!(names.len(), 2, "{names:?}");

@@ -236,7 +236,7 @@ pub async fn start_on(
     drop(snap);
     let listeners = match &workers {
         None => vec![TcpListener::bind(server_cfg.listen).await?.into_std()?],
-        Some(w) => bind_shared(server_cfg.listen, w.len())?,
+        Some(w) => bind_shared(server_cfg.listen, w.threads())?,
     };
     let addr = listeners[0].local_addr()?;
     let (stop, stopped) = watch::channel(false);
@@ -431,14 +431,9 @@ impl ConnectionThreads {
         }))
     }
 
-    /// How many connection threads there are.
-    pub fn len(&self) -> usize {
+    /// How many connection threads there are (at least one).
+    fn threads(&self) -> usize {
         self.handles.len()
-    }
-
-    /// Never: there is at least one thread.
-    pub fn is_empty(&self) -> bool {
-        self.handles.is_empty()
     }
 
     /// Runs `fut` on connection thread `i` (modulo their number).

@@ -323,16 +323,7 @@ async fn send_on(
                     }
                     Body::new(body)
                 })),
-                Err(mut e) => {
-                    let error = error_chain(e.error());
-                    match e.take_message() {
-                        Some(mut req) => {
-                            *req.uri_mut() = absolute;
-                            Err(Sent::Not(Box::new(req), error))
-                        }
-                        None => Err(Sent::Failed(error)),
-                    }
-                }
+                Err(e) => Err(unsent(e, |req| *req.uri_mut() = absolute)),
             }
         }
         Conn::H2(mut h2) => {
@@ -340,26 +331,35 @@ async fn send_on(
             let host = req.headers_mut().remove(header::HOST);
             match h2.try_send_request(req).await {
                 Ok(resp) => Ok(resp.map(Body::new)),
-                Err(mut e) => {
-                    let error = error_chain(e.error());
-                    match e.take_message() {
-                        Some(mut req) => {
-                            if let Some(host) = host {
-                                req.headers_mut().insert(header::HOST, host);
-                            }
-                            Err(Sent::Not(Box::new(req), error))
-                        }
-                        None => Err(Sent::Failed(error)),
+                Err(e) => Err(unsent(e, |req| {
+                    if let Some(host) = host {
+                        req.headers_mut().insert(header::HOST, host);
                     }
-                }
+                })),
             }
         }
     }
 }
 
+/// What a failed send means: the request hyper gave back unwritten, `restore`d to how it
+/// came, or a failure after which it is not sent again.
+fn unsent(
+    mut e: hyper::client::conn::TrySendError<http::Request<Full<Bytes>>>,
+    restore: impl FnOnce(&mut http::Request<Full<Bytes>>),
+) -> Sent {
+    let error = error_chain(e.error());
+    match e.take_message() {
+        Some(mut req) => {
+            restore(&mut req);
+            Sent::Not(Box::new(req), error)
+        }
+        None => Sent::Failed(error),
+    }
+}
+
 /// The pool's lock; a poisoned one (a panic while held, which the pool code cannot
 /// cause) is used as it is: the worst it holds is a connection that fails and is dropped.
-fn lock<A, B>(pool: &Mutex<Pool<A, B>>) -> std::sync::MutexGuard<'_, Pool<A, B>> {
+fn lock<A, B>(pool: &Mutex<Pool<A, B>>) -> MutexGuard<'_, Pool<A, B>> {
     pool.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -427,14 +427,18 @@ impl<A, B> Default for Idle<A, B> {
     }
 }
 
+/// A kept connection that is not to be used again: closed, or idle past [`IDLE_TIMEOUT`].
+fn stale(conn: &impl Reusable, since: Instant, now: Instant) -> bool {
+    conn.is_closed() || now.duration_since(since) >= IDLE_TIMEOUT
+}
+
 impl<A: Reusable, B: Reusable + Clone> Idle<A, B> {
     fn sweep(&mut self, now: Instant) {
-        self.h1
-            .retain(|(c, since)| !c.is_closed() && now.duration_since(*since) < IDLE_TIMEOUT);
+        self.h1.retain(|(c, since)| !stale(c, *since, now));
         if self
             .h2
             .as_ref()
-            .is_some_and(|(c, since)| c.is_closed() || now.duration_since(*since) >= IDLE_TIMEOUT)
+            .is_some_and(|(c, since)| stale(c, *since, now))
         {
             self.h2 = None;
         }
@@ -458,7 +462,7 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
         self.maybe_sweep(now);
         let idle = self.idle(origin)?;
         if let Some((c, since)) = &mut idle.h2 {
-            if !c.is_closed() && now.duration_since(*since) < IDLE_TIMEOUT {
+            if !stale(c, *since, now) {
                 *since = now;
                 return Some(Conn::H2(c.clone()));
             }
@@ -468,7 +472,7 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
         while i > 0 {
             i -= 1;
             let (c, since) = &idle.h1[i];
-            if c.is_closed() || now.duration_since(*since) >= IDLE_TIMEOUT {
+            if stale(c, *since, now) {
                 idle.h1.remove(i);
             } else if c.is_ready() {
                 return Some(Conn::H1(idle.h1.remove(i).0));
@@ -478,15 +482,17 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
         None
     }
 
+    fn position(&self, origin: &Origin) -> Option<usize> {
+        self.origins.iter().position(|(o, _)| o == origin)
+    }
+
     fn idle(&mut self, origin: &Origin) -> Option<&mut Idle<A, B>> {
-        self.origins
-            .iter_mut()
-            .find(|(o, _)| o == origin)
-            .map(|(_, idle)| idle)
+        let i = self.position(origin)?;
+        Some(&mut self.origins[i].1)
     }
 
     fn idle_or_new(&mut self, origin: &Origin) -> &mut Idle<A, B> {
-        let i = match self.origins.iter().position(|(o, _)| o == origin) {
+        let i = match self.position(origin) {
             Some(i) => i,
             None => {
                 self.origins.push((origin.clone(), Idle::default()));
@@ -537,10 +543,8 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
 
     #[cfg(test)]
     fn idle_h1(&self, origin: &Origin) -> usize {
-        self.origins
-            .iter()
-            .find(|(o, _)| o == origin)
-            .map_or(0, |(_, i)| i.h1.len())
+        self.position(origin)
+            .map_or(0, |i| self.origins[i].1.h1.len())
     }
 }
 
@@ -666,7 +670,7 @@ mod tests {
     use std::sync::Mutex as StdMutex;
 
     use http_body_util::BodyExt;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use std::io::Write;
     use tokio::net::TcpListener;
 
     const LONG: Duration = Duration::from_secs(60);
@@ -820,10 +824,8 @@ mod tests {
         assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
     }
 
-    #[tokio::test]
-    async fn a_connection_whose_body_was_dropped_unread_is_not_reused() {
-        let (port, seen) = backend(false).await;
-        let c = client();
+    /// The body of a `/stall` answer, its first chunk read; the rest never comes.
+    async fn stalled(c: &UpstreamClient, port: u16) -> Body {
         let resp = c
             .send(post(&format!("http://127.0.0.1:{port}/stall")), LONG)
             .await
@@ -831,7 +833,14 @@ mod tests {
         let mut body = resp.into_body();
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(first, "a");
-        drop(body);
+        body
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_body_was_dropped_unread_is_not_reused() {
+        let (port, seen) = backend(false).await;
+        let c = client();
+        drop(stalled(&c, port).await);
         assert_eq!(idle_h1(&c, port), 0);
         let resp = c
             .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
@@ -843,36 +852,18 @@ mod tests {
 
     /// A backend that answers one request per connection and closes it right after,
     /// without saying so (no `Connection: close`), as an idle timeout on its side would.
-    async fn closing_backend() -> (u16, Arc<AtomicUsize>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    fn closing_backend() -> (u16, Arc<AtomicUsize>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let accepted = Arc::new(AtomicUsize::new(0));
         let counter = Arc::clone(&accepted);
-        tokio::spawn(async move {
-            loop {
-                let (mut s, _) = listener.accept().await.unwrap();
+        std::thread::spawn(move || {
+            while let Ok((mut s, _)) = listener.accept() {
                 counter.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 4096];
-                    // Headers, then the 13-byte body the tests send.
-                    loop {
-                        let n = s.read(&mut chunk).await.unwrap_or(0);
-                        if n == 0 {
-                            return;
-                        }
-                        buf.extend_from_slice(&chunk[..n]);
-                        if let Some(end) = memchr::memmem::find(&buf, b"\r\n\r\n") {
-                            if buf.len() >= end + 4 + 13 {
-                                break;
-                            }
-                        }
-                    }
-                    let _ = s
-                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                        .await;
-                    let _ = s.shutdown().await;
-                });
+                if read_request(&mut s) {
+                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+                }
+                // Dropped: closed.
             }
         });
         (port, accepted)
@@ -880,7 +871,7 @@ mod tests {
 
     #[tokio::test]
     async fn connections_the_backend_closed_are_not_used_again() {
-        let (port, accepted) = closing_backend().await;
+        let (port, accepted) = closing_backend();
         let c = client();
         for _ in 0..10 {
             let resp = c
@@ -936,15 +927,7 @@ mod tests {
     async fn a_connection_still_reading_its_body_is_not_taken() {
         let (port, seen) = backend(false).await;
         let c = client();
-        let stalled = c
-            .send(post(&format!("http://127.0.0.1:{port}/stall")), LONG)
-            .await
-            .unwrap();
-        let mut stalled = stalled.into_body();
-        assert_eq!(
-            stalled.frame().await.unwrap().unwrap().into_data().unwrap(),
-            "a"
-        );
+        let stalled = stalled(&c, port).await;
         let resp = c
             .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
             .await
@@ -975,7 +958,6 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_the_backend_may_have_read_is_not_sent_again() {
-        use std::io::Write;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         std::thread::spawn(move || {

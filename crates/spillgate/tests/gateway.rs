@@ -479,6 +479,39 @@ async fn garbage_retry_after_uses_the_default_and_huge_is_clamped() {
 // Streaming
 // ---------------------------------------------------------------------------------------
 
+/// Appends the rest of `body` to `text`.
+async fn append_text(body: &mut hyper::body::Incoming, text: &mut String) {
+    while let Some(frame) = body.frame().await {
+        if let Ok(d) = frame.unwrap().into_data() {
+            text.push_str(&String::from_utf8_lossy(&d));
+        }
+    }
+}
+
+/// Replaces `env`'s gateway with one serving on two connection threads, as the binary
+/// does (one per core).
+async fn on_connection_threads(env: &mut Env, backends: &[B], server: &str) {
+    let config = config_for(backends, &env.mocks, server, "");
+    let workers = spillgate::server::ConnectionThreads::start(2).unwrap();
+    env.gw = spillgate::server::start_on(App::new(config).unwrap(), Some(workers))
+        .await
+        .unwrap();
+}
+
+/// A chat request on a new client connection (closed after the answer), so that new
+/// connections reach every connection thread.
+async fn chat_on_a_new_connection(
+    env: &Env,
+) -> Result<http::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let req = env
+        .request("POST", "/v1/chat/completions", CHAT)
+        .header("connection", "close")
+        .body(Full::new(Bytes::from(CHAT)))
+        .unwrap();
+    client.request(req).await
+}
+
 async fn open_stream(env: &Env) -> hyper::body::Incoming {
     let body = r#"{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
     let req = env
@@ -533,31 +566,17 @@ async fn sse_bytes_pass_through_unchanged_whatever_the_framing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_served_on_per_core_threads_work_end_to_end() {
     let mut env = Env::start(vec![b("p1", 1), b("p2", 2)], "").await;
-    let config = config_for(&[b("p1", 1), b("p2", 2)], &env.mocks, "", "");
-    let workers = spillgate::server::ConnectionThreads::start(2).unwrap();
-    env.gw = spillgate::server::start_on(App::new(config).unwrap(), Some(workers))
-        .await
-        .unwrap();
+    on_connection_threads(&mut env, &[b("p1", 1), b("p2", 2)], "").await;
     for _ in 0..20 {
         // A new client connection each time, so both threads get some.
-        let client = Client::builder(TokioExecutor::new()).build_http();
-        let req = env
-            .request("POST", "/v1/chat/completions", CHAT)
-            .header("connection", "close")
-            .body(Full::new(Bytes::from(CHAT)))
-            .unwrap();
-        let resp = client.request(req).await.unwrap();
+        let resp = chat_on_a_new_connection(&env).await.unwrap();
         assert_eq!(resp.status(), 200);
         assert_eq!(header(resp.headers(), "x-spillgate-backend"), "p1");
     }
     env.mocks[0].push_script(vec![Reply::stream(5, 20)]);
     let mut body = open_stream(&env).await;
     let mut text = String::new();
-    while let Some(frame) = body.frame().await {
-        if let Ok(d) = frame.unwrap().into_data() {
-            text.push_str(&String::from_utf8_lossy(&d));
-        }
-    }
+    append_text(&mut body, &mut text).await;
     assert!(text.ends_with("data: [DONE]\n\n"));
     assert_eq!(env.hits(), vec![21, 0]);
     tokio::time::timeout(Duration::from_secs(10), env.gw.shutdown())
@@ -571,21 +590,11 @@ async fn connections_served_on_per_core_threads_work_end_to_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_core_listeners_share_the_connection_limit_and_drain_streams() {
     let mut env = Env::start(vec![b("p1", 1)], "").await;
-    let config = config_for(&[b("p1", 1)], &env.mocks, "max_connections = 1", "");
-    let workers = spillgate::server::ConnectionThreads::start(2).unwrap();
-    env.gw = spillgate::server::start_on(App::new(config).unwrap(), Some(workers))
-        .await
-        .unwrap();
+    on_connection_threads(&mut env, &[b("p1", 1)], "max_connections = 1").await;
     for i in 0..20 {
         // A new connection each time: with a slot taken by a listener that waits in
         // accept, one that landed on the other listener would wait forever.
-        let client = Client::builder(TokioExecutor::new()).build_http();
-        let req = env
-            .request("POST", "/v1/chat/completions", CHAT)
-            .header("connection", "close")
-            .body(Full::new(Bytes::from(CHAT)))
-            .unwrap();
-        let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        let resp = tokio::time::timeout(Duration::from_secs(10), chat_on_a_new_connection(&env))
             .await
             .unwrap_or_else(|_| panic!("connection {i} was never served"))
             .unwrap();
@@ -599,11 +608,7 @@ async fn per_core_listeners_share_the_connection_limit_and_drain_streams() {
     } = env;
     let drain = tokio::spawn(gw.shutdown());
     let mut text = String::new();
-    while let Some(frame) = body.frame().await {
-        if let Ok(d) = frame.unwrap().into_data() {
-            text.push_str(&String::from_utf8_lossy(&d));
-        }
-    }
+    append_text(&mut body, &mut text).await;
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     tokio::time::timeout(Duration::from_secs(10), drain)
         .await
@@ -1010,11 +1015,7 @@ async fn shutdown_lets_streams_finish_and_refuses_new_connections() {
     );
     // The stream in progress completes, [DONE] included.
     let mut text = String::from_utf8(first.to_vec()).unwrap();
-    while let Some(frame) = body.frame().await {
-        if let Ok(d) = frame.unwrap().into_data() {
-            text.push_str(&String::from_utf8_lossy(&d));
-        }
-    }
+    append_text(&mut body, &mut text).await;
     assert_eq!(text.matches("data: {").count(), 10);
     assert!(text.ends_with("data: [DONE]\n\n"));
     shutdown.await.unwrap();
