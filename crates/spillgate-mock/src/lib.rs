@@ -33,6 +33,7 @@ mod redis;
 mod reply;
 mod server;
 mod state;
+mod tls;
 
 pub use config::{Limits, MockConfig, DEFAULT_NAME, DEFAULT_STREAM_CHUNKS};
 pub use identity::{IdentityControl, IdentityView, MockIdentity};
@@ -41,3 +42,4 @@ pub use redis::{free_port, redis_server_binary, RedisServer};
 pub use reply::{Reply, ReplyBody};
 pub use server::MockBackend;
 pub use state::{MockState, RecordedRequest};
+pub use tls::test_certificates;

@@ -1,18 +1,17 @@
 //! The HTTP client that talks to backends.
 //!
-//! A connection pool per connection thread over hyper's own HTTP/1.1 and HTTP/2
-//! connections, through rustls (the system's CA store, else webpki roots; HTTP/2 when the
-//! backend picks it by ALPN). hyper-util's general-purpose pooled client cost about a
-//! tenth of the gateway's instructions per proxied request (its pool map, a task per
-//! request to return each HTTP/1 connection, the `Host` header built per request); here
-//! a connection goes back to its pool when its response body ends, and the pool is a
-//! plain list per backend origin. The connect timeout lives in the connector; the
-//! time-to-first-byte timeout wraps each request; the idle timeout between body chunks
-//! wraps the response body (in the proxy).
+//! A connection pool per connection thread, over the gateway's own HTTP/1.1 connections
+//! ([`crate::h1`]: no task or channel per connection) and hyper's HTTP/2 ones, through
+//! rustls (the system's CA store, else webpki roots; HTTP/2 when the backend picks it by
+//! ALPN). hyper-util's general-purpose pooled client cost about a tenth of the gateway's
+//! instructions per proxied request (its pool map, a task per request to return each
+//! HTTP/1 connection, the `Host` header built per request); here a connection goes back
+//! to its pool when its response body ends, and the pool is a plain list per backend
+//! origin. The connect timeout lives in the connector; the time-to-first-byte timeout
+//! wraps each request; the idle timeout between body chunks wraps the response body (in
+//! the proxy).
 
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -20,14 +19,14 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::uri::{Authority, Scheme};
 use http::{header, HeaderValue};
-use http_body::{Frame, SizeHint};
 use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
+use hyper::client::conn::http2;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::{Connection, HttpConnector};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use spillgate_core::config::Timeouts;
+
+use crate::h1;
 use tokio::time::Instant;
 
 /// Why an attempt got no response.
@@ -81,7 +80,7 @@ pub fn set_pool_slot(slot: usize) {
 }
 
 type Connector = HttpsConnector<HttpConnector>;
-type H1 = http1::SendRequest<Full<Bytes>>;
+type H1 = h1::Conn;
 type H2 = http2::SendRequest<Full<Bytes>>;
 type SharedPool = Arc<Mutex<Pool<H1, H2>>>;
 
@@ -252,12 +251,7 @@ impl Inner {
             keep_reaped(pool, guard);
             Ok(Conn::H2(h2))
         } else {
-            let (h1, conn) = http1::Builder::new()
-                .handshake::<_, Full<Bytes>>(io)
-                .await
-                .map_err(|e| AttemptError::Connect(error_chain(&e)))?;
-            tokio::spawn(drive(conn));
-            Ok(Conn::H1(h1))
+            Ok(Conn::H1(h1::Conn::new(Box::new(TokioIo::new(io)))))
         }
     }
 }
@@ -295,35 +289,19 @@ async fn send_on(
     origin: &Origin,
 ) -> Result<http::Response<Body>, Sent> {
     match conn {
-        Conn::H1(mut h1) => {
-            if !req.headers().contains_key(header::HOST) {
-                if let Some(host) = host_header(&origin.scheme, &origin.authority) {
-                    req.headers_mut().insert(header::HOST, host);
-                }
-            }
-            // HTTP/1.1 to an origin server: the request line carries the path only.
-            let path = req
-                .uri()
-                .path_and_query()
-                .cloned()
-                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-            let absolute = std::mem::replace(req.uri_mut(), http::Uri::from(path));
-            match h1.try_send_request(req).await {
-                Ok(resp) => Ok(resp.map(|body| {
-                    let mut body = Pooled {
-                        body,
-                        give_back: Some(GiveBack {
-                            conn: h1,
-                            pool: Arc::downgrade(pool),
-                            origin: origin.clone(),
-                        }),
-                    };
-                    if http_body::Body::is_end_stream(&body.body) {
-                        body.give_back();
-                    }
-                    Body::new(body)
-                })),
-                Err(e) => Err(unsent(e, |req| *req.uri_mut() = absolute)),
+        Conn::H1(h1) => {
+            let host = match req.headers().contains_key(header::HOST) {
+                true => None,
+                false => host_header(&origin.scheme, &origin.authority),
+            };
+            let give_back = GiveBack {
+                pool: Arc::downgrade(pool),
+                origin: origin.clone(),
+            };
+            match h1.send(req, host.as_ref(), give_back).await {
+                Ok(resp) => Ok(resp.map(Body::new)),
+                Err(h1::SendError::Unsent(req, e)) => Err(Sent::Not(req, e.to_string())),
+                Err(h1::SendError::Failed(e)) => Err(Sent::Failed(e.to_string())),
             }
         }
         Conn::H2(mut h2) => {
@@ -367,22 +345,23 @@ fn lock<A, B>(pool: &Mutex<Pool<A, B>>) -> MutexGuard<'_, Pool<A, B>> {
 /// What the pool needs to know of a connection.
 trait Reusable {
     /// The connection is gone (closed by either side, or failed).
-    fn is_closed(&self) -> bool;
+    fn is_closed(&mut self) -> bool;
     /// The connection can take a request now.
     fn is_ready(&self) -> bool;
 }
 
 impl Reusable for H1 {
-    fn is_closed(&self) -> bool {
-        http1::SendRequest::is_closed(self)
+    fn is_closed(&mut self) -> bool {
+        h1::Conn::is_closed(self)
     }
+    /// Kept only between exchanges: always ready.
     fn is_ready(&self) -> bool {
-        http1::SendRequest::is_ready(self)
+        true
     }
 }
 
 impl Reusable for H2 {
-    fn is_closed(&self) -> bool {
+    fn is_closed(&mut self) -> bool {
         http2::SendRequest::is_closed(self)
     }
     fn is_ready(&self) -> bool {
@@ -428,16 +407,16 @@ impl<A, B> Default for Idle<A, B> {
 }
 
 /// A kept connection that is not to be used again: closed, or idle past [`IDLE_TIMEOUT`].
-fn stale(conn: &impl Reusable, since: Instant, now: Instant) -> bool {
+fn stale(conn: &mut impl Reusable, since: Instant, now: Instant) -> bool {
     conn.is_closed() || now.duration_since(since) >= IDLE_TIMEOUT
 }
 
 impl<A: Reusable, B: Reusable + Clone> Idle<A, B> {
     fn sweep(&mut self, now: Instant) {
-        self.h1.retain(|(c, since)| !stale(c, *since, now));
+        self.h1.retain_mut(|(c, since)| !stale(c, *since, now));
         if self
             .h2
-            .as_ref()
+            .as_mut()
             .is_some_and(|(c, since)| stale(c, *since, now))
         {
             self.h2 = None;
@@ -471,7 +450,7 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
         let mut i = idle.h1.len();
         while i > 0 {
             i -= 1;
-            let (c, since) = &idle.h1[i];
+            let (c, since) = &mut idle.h1[i];
             if stale(c, *since, now) {
                 idle.h1.remove(i);
             } else if c.is_ready() {
@@ -503,7 +482,7 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
     }
 
     /// Keeps an HTTP/1.1 connection whose response has ended.
-    fn put(&mut self, origin: &Origin, conn: A, now: Instant) {
+    fn put(&mut self, origin: &Origin, mut conn: A, now: Instant) {
         if conn.is_closed() {
             return;
         }
@@ -595,58 +574,20 @@ where
     }
 }
 
-/// Where an HTTP/1.1 connection goes once its response body has ended.
+/// Where an HTTP/1.1 connection goes once its response body has ended: back to the pool
+/// of the thread that made it, if the pool is still there.
 struct GiveBack {
-    conn: H1,
     pool: Weak<Mutex<Pool<H1, H2>>>,
     origin: Origin,
 }
 
-/// A response body over a pooled HTTP/1.1 connection: at its end, the connection goes
-/// back to its pool. Dropped before its end (the client left, a timeout), the
-/// connection is dropped with it and closes.
-struct Pooled {
-    body: Incoming,
-    give_back: Option<GiveBack>,
-}
-
-impl Pooled {
-    fn give_back(&mut self) {
-        if let Some(g) = self.give_back.take() {
-            if let Some(pool) = g.pool.upgrade() {
-                let mut guard = lock(&pool);
-                guard.put(&g.origin, g.conn, Instant::now());
-                keep_reaped(&pool, guard);
-            }
+impl h1::Release for GiveBack {
+    fn release(self, conn: H1) {
+        if let Some(pool) = self.pool.upgrade() {
+            let mut guard = lock(&pool);
+            guard.put(&self.origin, conn, Instant::now());
+            keep_reaped(&pool, guard);
         }
-    }
-}
-
-impl http_body::Body for Pooled {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        let polled = Pin::new(&mut this.body).poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => this.give_back(),
-            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.give_back(),
-            Poll::Ready(Some(Err(_))) => this.give_back = None,
-            _ => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 
@@ -669,7 +610,9 @@ mod tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Mutex as StdMutex;
 
+    use http_body::Frame;
     use http_body_util::BodyExt;
+    use hyper::body::Incoming;
     use std::io::Write;
     use tokio::net::TcpListener;
 
@@ -1044,7 +987,7 @@ mod tests {
     }
 
     impl Reusable for Fake {
-        fn is_closed(&self) -> bool {
+        fn is_closed(&mut self) -> bool {
             self.closed.load(Ordering::SeqCst)
         }
         fn is_ready(&self) -> bool {

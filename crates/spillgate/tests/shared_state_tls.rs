@@ -12,83 +12,14 @@
     reason = "test code: a failed setup step should abort the test loudly"
 )]
 
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use spillgate_mock::{free_port, redis_server_binary, MockBackend, MockConfig, Reply};
+use spillgate_mock::{
+    free_port, redis_server_binary, test_certificates, MockBackend, MockConfig, Reply,
+};
 
 const PASSWORD: &str = "tls-test-password-0123";
-
-fn openssl(dir: &Path, args: &[&str]) -> bool {
-    Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// A CA and a server certificate for 127.0.0.1 signed by it.
-fn certificates(dir: &Path) -> bool {
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=spillgate test CA",
-        ],
-    ) && openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-    ) && openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.crt",
-            "-days",
-            "1",
-            "-extfile",
-            "ext.cnf",
-        ],
-    )
-}
 
 struct Killed(Child);
 
@@ -107,7 +38,7 @@ async fn instances_share_state_over_tls_with_a_password() {
     };
     let dir = std::env::temp_dir().join(format!("spillgate-tls-{}", free_port().unwrap()));
     std::fs::create_dir_all(&dir).unwrap();
-    if !certificates(&dir) {
+    if !test_certificates(&dir) {
         eprintln!("SKIPPED: the openssl command is missing or failed");
         return;
     }

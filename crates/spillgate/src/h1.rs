@@ -1,0 +1,1142 @@
+//! HTTP/1.1 to backends, for the one exchange the gateway makes: a request whose body is
+//! already in memory, then a response whose body is passed on as it comes.
+//!
+//! hyper's client connection runs as a task of its own behind two channels (requests in,
+//! body chunks out): every request and every streamed chunk went from one task to the
+//! other and woke it, and each connection held a channel block of about 9 KiB and a
+//! header buffer of 8 KiB. Here the request's future writes the request and reads the
+//! response head on the socket itself, and the response body reads the socket when the
+//! client's connection asks for more: no task, no channel. The read buffer is shared by
+//! the chunks cut from it, and a new one is taken only when less than 1 KiB of room is
+//! left (hyper took one per read once a chunk was held).
+//!
+//! What it does not do, because the gateway never needs it: send a streamed request
+//! body, pipeline, or upgrade. A request is sent again elsewhere only when not a byte of
+//! it was written (see [`SendError`]).
+
+use std::future::poll_fn;
+use std::io::IoSlice;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
+use http_body::{Frame, SizeHint};
+use http_body_util::Full;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// Most header lines a response head may have.
+const MAX_HEADERS: usize = 128;
+/// Largest response head accepted.
+const MAX_HEAD: usize = 64 * 1024;
+/// Room taken for reads at first, and again when a read buffer runs low.
+const READ_ROOM: usize = 8 * 1024;
+/// Largest room taken for one read, reached while reads fill what they are given.
+const MAX_READ_ROOM: usize = 64 * 1024;
+/// Below this much room, a new read buffer is taken before reading.
+const MIN_ROOM: usize = 1024;
+/// Longest chunk-size line, and most bytes of trailers, of a chunked body.
+const MAX_CHUNK_LINE: usize = 4 * 1024;
+const MAX_TRAILERS: usize = 16 * 1024;
+
+/// A byte stream to a backend: TCP, or TLS over TCP.
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+
+/// Why an exchange failed. Never carries a header value, so no credential can be in it.
+#[derive(Debug, Clone)]
+pub struct Error(String);
+
+impl Error {
+    fn new(what: impl Into<String>) -> Error {
+        Error(what.into())
+    }
+    fn io(what: &str, e: &std::io::Error) -> Error {
+        Error(format!("{what}: {e}"))
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Why [`Conn::send`] got no response.
+#[derive(Debug)]
+pub enum SendError {
+    /// Not a byte was written: the request, as it came, may go on another connection.
+    Unsent(Box<http::Request<Full<Bytes>>>, Error),
+    /// Failed once (some of) the request may have been written: not to be sent again.
+    Failed(Error),
+}
+
+/// An HTTP/1.1 connection to a backend, idle between exchanges.
+pub struct Conn {
+    io: Box<dyn Io>,
+    /// Bytes read and not yet used; empty between exchanges.
+    buf: BytesMut,
+    /// Room the next new read buffer gets.
+    room: usize,
+    /// The request head being written (kept for the next request).
+    head: Vec<u8>,
+    /// The backend closed it, or sent what nobody asked for, while it was idle.
+    closed: bool,
+}
+
+impl Conn {
+    pub fn new(io: Box<dyn Io>) -> Conn {
+        Conn {
+            io,
+            buf: BytesMut::new(),
+            room: READ_ROOM,
+            head: Vec::new(),
+            closed: false,
+        }
+    }
+
+    /// Whether an idle connection is gone: closed by the backend (or in error), or with
+    /// bytes nobody asked for. Reads only what the runtime already knows is there, with
+    /// no waker kept: a connection closed since it was last polled shows here.
+    pub fn is_closed(&mut self) -> bool {
+        if !self.closed {
+            let mut cx = Context::from_waker(Waker::noop());
+            self.closed = match self.poll_fill(&mut cx) {
+                Poll::Pending => false,
+                Poll::Ready(Ok(_) | Err(_)) => true,
+            };
+        }
+        self.closed
+    }
+
+    /// Reads what is there into the buffer (a new buffer when less than [`MIN_ROOM`] is
+    /// left); `Ok(0)` at the end of the stream.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < MIN_ROOM {
+            self.buf.reserve(self.room);
+        }
+        let room = self.buf.capacity() - self.buf.len();
+        let n = std::task::ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut self.io),
+            cx,
+            &mut self.buf
+        ))?;
+        // A read that filled all its room: the next buffer gets more, up to a limit.
+        if n >= room && self.room < MAX_READ_ROOM {
+            self.room *= 2;
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    /// Sends `req` (absolute URI; its path and query go in the request line) and reads
+    /// the response head. `host` is sent as `Host` when the request has none. The
+    /// connection then belongs to the response body, which gives it to `release` at its
+    /// end if it can carry another request.
+    pub async fn send<R: Release>(
+        mut self,
+        req: http::Request<Full<Bytes>>,
+        host: Option<&HeaderValue>,
+        release: R,
+    ) -> Result<http::Response<Body<R>>, SendError> {
+        let body = full_bytes(req.body());
+        self.head.clear();
+        encode_head(&mut self.head, &req, host, body.len());
+        if let Err((written, e)) = self.write(&body).await {
+            let e = Error::io("writing the request", &e);
+            return Err(if written == 0 {
+                SendError::Unsent(Box::new(req), e)
+            } else {
+                SendError::Failed(e)
+            });
+        }
+        let is_head = req.method() == Method::HEAD;
+        drop(req);
+        let head = loop {
+            if let Some(head) = parse_head(&mut self.buf).map_err(SendError::Failed)? {
+                // 1xx (100 Continue, 103 Early Hints): the real answer follows.
+                if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS
+                {
+                    continue;
+                }
+                break head;
+            }
+            if self.buf.len() >= MAX_HEAD {
+                return Err(SendError::Failed(Error::new(format!(
+                    "response head over {} KiB",
+                    MAX_HEAD / 1024
+                ))));
+            }
+            let n = poll_fn(|cx| self.poll_fill(cx))
+                .await
+                .map_err(|e| SendError::Failed(Error::io("reading the response", &e)))?;
+            if n == 0 {
+                return Err(SendError::Failed(Error::new(if self.buf.is_empty() {
+                    "the backend closed the connection before answering"
+                } else {
+                    "the backend closed the connection in the middle of the response head"
+                })));
+            }
+        };
+        if head.status == StatusCode::SWITCHING_PROTOCOLS {
+            return Err(SendError::Failed(Error::new(
+                "the backend switched protocols, which the gateway never asks for",
+            )));
+        }
+        let (framing, keep_alive) = framing(is_head, head.status, head.version, &head.headers)
+            .map_err(SendError::Failed)?;
+        let mut resp = http::Response::new(Body {
+            conn: Some(self),
+            framing,
+            keep_alive,
+            release: Some(release),
+            error: None,
+        });
+        *resp.status_mut() = head.status;
+        *resp.version_mut() = head.version;
+        *resp.headers_mut() = head.headers;
+        resp.body_mut().settle();
+        Ok(resp)
+    }
+
+    /// Writes the head and then `body`; on failure, how many bytes went.
+    async fn write(&mut self, body: &[u8]) -> Result<(), (usize, std::io::Error)> {
+        let Conn { io, head, .. } = self;
+        let total = head.len() + body.len();
+        let mut written = 0;
+        while written < total {
+            let from_head = head.get(written..).unwrap_or_default();
+            let from_body = body
+                .get(written.saturating_sub(head.len())..)
+                .unwrap_or_default();
+            let bufs = [IoSlice::new(from_head), IoSlice::new(from_body)];
+            match poll_fn(|cx| Pin::new(&mut *io).poll_write_vectored(cx, &bufs)).await {
+                Ok(0) => return Err((written, std::io::ErrorKind::WriteZero.into())),
+                Ok(n) => written += n,
+                Err(e) => return Err((written, e)),
+            }
+        }
+        poll_fn(|cx| Pin::new(&mut *io).poll_flush(cx))
+            .await
+            .map_err(|e| (written, e))
+    }
+}
+
+/// The data of a [`Full`] body (taken from a copy: `Full` gives its data only by polling).
+fn full_bytes(body: &Full<Bytes>) -> Bytes {
+    use http_body::Body as _;
+    let mut copy = body.clone();
+    let mut cx = Context::from_waker(Waker::noop());
+    match Pin::new(&mut copy).poll_frame(&mut cx) {
+        Poll::Ready(Some(Ok(frame))) => frame.into_data().unwrap_or_default(),
+        _ => Bytes::new(),
+    }
+}
+
+/// The request line and headers. `Content-Length` is the body's (any the request had, and
+/// any `Transfer-Encoding`, are left out); a `GET` or `HEAD` without a body has none.
+fn encode_head(
+    out: &mut Vec<u8>,
+    req: &http::Request<Full<Bytes>>,
+    host: Option<&HeaderValue>,
+    body_len: usize,
+) {
+    out.extend_from_slice(req.method().as_str().as_bytes());
+    out.push(b' ');
+    let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    out.extend_from_slice(if target.is_empty() {
+        b"/"
+    } else {
+        target.as_bytes()
+    });
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    let headers = req.headers();
+    if let (Some(host), false) = (host, headers.contains_key(header::HOST)) {
+        header_line(out, header::HOST.as_str(), host);
+    }
+    for (name, value) in headers {
+        if name != header::CONTENT_LENGTH && name != header::TRANSFER_ENCODING {
+            header_line(out, name.as_str(), value);
+        }
+    }
+    if body_len > 0 || !matches!(*req.method(), Method::GET | Method::HEAD) {
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(itoa(body_len, &mut [0; 20]));
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn header_line(out: &mut Vec<u8>, name: &str, value: &HeaderValue) {
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value.as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `n` in decimal, written at the end of `buf`.
+fn itoa(mut n: usize, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[i..];
+        }
+    }
+}
+
+struct Head {
+    status: StatusCode,
+    version: Version,
+    headers: HeaderMap,
+}
+
+/// Takes a complete response head off the front of `buf`, or leaves `buf` as it is and
+/// returns `None` when the head is not all there yet. Header values share the head's
+/// bytes (no copy).
+fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
+    let mut parsed = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut parsed);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(Error::new(format!(
+                "response head with more than {MAX_HEADERS} headers"
+            )))
+        }
+        Err(e) => return Err(Error::new(format!("invalid response head: {e}"))),
+    };
+    let status = resp
+        .code
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .ok_or_else(|| Error::new("invalid response status"))?;
+    let version = match resp.version {
+        Some(0) => Version::HTTP_10,
+        _ => Version::HTTP_11,
+    };
+    // Where each name and value lies in the head, to cut the values from it once it is
+    // taken off the buffer.
+    let start = buf.as_ptr() as usize;
+    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let count = resp.headers.len();
+    for (span, h) in spans.iter_mut().zip(resp.headers.iter()) {
+        let name = h.name.as_ptr() as usize - start;
+        let value = h.value.as_ptr() as usize - start;
+        // Offsets within a head of at most MAX_HEAD bytes.
+        *span = (
+            name as u32,
+            h.name.len() as u32,
+            value as u32,
+            h.value.len() as u32,
+        );
+    }
+    let head = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(count);
+    for &(n, nl, v, vl) in &spans[..count] {
+        let name = head
+            .get(n as usize..(n + nl) as usize)
+            .and_then(|n| HeaderName::from_bytes(n).ok())
+            .ok_or_else(|| Error::new("invalid header name in the response"))?;
+        let value = HeaderValue::from_maybe_shared(head.slice(v as usize..(v + vl) as usize))
+            .map_err(|_| Error::new(format!("invalid value of response header {name}")))?;
+        headers.append(name, value);
+    }
+    Ok(Some(Head {
+        status,
+        version,
+        headers,
+    }))
+}
+
+/// How a response body ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    /// Chunked, at this point of the encoding.
+    Chunked(Chunk),
+    /// Ends when the backend closes the connection.
+    Close,
+    /// Ended.
+    Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    /// At a chunk-size line.
+    Size,
+    /// This many bytes of chunk data are left.
+    Data(u64),
+    /// At the CRLF after a chunk's data.
+    DataEnd,
+    /// At the trailer section (after the last chunk), with this many bytes of it read.
+    Trailers(usize),
+}
+
+/// The framing of a response body (RFC 9112, section 6.3), and whether the connection
+/// can carry another request after it.
+fn framing(
+    is_head: bool,
+    status: StatusCode,
+    version: Version,
+    headers: &HeaderMap,
+) -> Result<(Framing, bool), Error> {
+    let mut keep_alive = version == Version::HTTP_11
+        && !headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| has_token(v, "close"));
+    if is_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        return Ok((Framing::Done, keep_alive));
+    }
+    let mut te = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
+    if te.peek().is_some() {
+        let chunked = te.last().is_some_and(|v| last_token_is(v, "chunked"));
+        // With a Content-Length too, the message is suspect: not reused.
+        keep_alive &= !headers.contains_key(header::CONTENT_LENGTH);
+        return Ok(if chunked && keep_alive {
+            (Framing::Chunked(Chunk::Size), true)
+        } else if chunked {
+            (Framing::Chunked(Chunk::Size), false)
+        } else {
+            (Framing::Close, false)
+        });
+    }
+    let mut length = None;
+    for v in headers.get_all(header::CONTENT_LENGTH) {
+        for part in v.as_bytes().split(|&b| b == b',') {
+            let n = std::str::from_utf8(part)
+                .ok()
+                .map(str::trim)
+                .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|s| s.parse::<u64>().ok())
+                .ok_or_else(|| Error::new("invalid content-length in the response"))?;
+            if length.is_some_and(|l| l != n) {
+                return Err(Error::new(
+                    "conflicting content-length values in the response",
+                ));
+            }
+            length = Some(n);
+        }
+    }
+    Ok(match length {
+        Some(0) => (Framing::Done, keep_alive),
+        Some(n) => (Framing::Length(n), keep_alive),
+        None => (Framing::Close, false),
+    })
+}
+
+fn has_token(v: &HeaderValue, token: &str) -> bool {
+    v.as_bytes()
+        .split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+fn last_token_is(v: &HeaderValue, token: &str) -> bool {
+    v.as_bytes()
+        .rsplit(|&b| b == b',')
+        .next()
+        .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// Where a connection goes when a response body has ended and it can carry another
+/// request.
+pub trait Release: Send + Unpin + 'static {
+    fn release(self, conn: Conn);
+}
+
+/// A response body read from its connection as it is polled. At its end the connection
+/// goes to its [`Release`] when it can be used again; dropped before, the connection
+/// closes with it.
+pub struct Body<R> {
+    conn: Option<Conn>,
+    framing: Framing,
+    keep_alive: bool,
+    release: Option<R>,
+    /// Found by [`Body::settle`], for the next poll to report.
+    error: Option<Error>,
+}
+
+/// What the read buffer gave.
+enum Step {
+    Data(Bytes),
+    /// More bytes are needed.
+    NeedMore,
+    /// At data, when asked to stop there.
+    AtData,
+    /// The body has ended.
+    End,
+}
+
+/// Up to `left` bytes of data off the front of `buf` (counted off `left`), or where it
+/// stands when `buf` is empty or `data` is false.
+fn take_data(left: &mut u64, buf: &mut BytesMut, data: bool) -> Step {
+    if buf.is_empty() {
+        return Step::NeedMore;
+    }
+    if !data {
+        return Step::AtData;
+    }
+    let n = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
+    *left -= n as u64;
+    Step::Data(buf.split_to(n).freeze())
+}
+
+/// Decodes `buf` up to the next data (taken off it, unless `data` is false) or the end.
+fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step, Error> {
+    loop {
+        match framing {
+            Framing::Done => return Ok(Step::End),
+            Framing::Length(left) => {
+                let step = take_data(left, buf, data);
+                if *left == 0 {
+                    *framing = Framing::Done;
+                }
+                return Ok(step);
+            }
+            Framing::Close => {
+                let mut unbounded = u64::MAX;
+                return Ok(take_data(&mut unbounded, buf, data));
+            }
+            Framing::Chunked(chunk) => match chunk {
+                Chunk::Size => {
+                    let Some(eol) = memchr::memchr(b'\n', buf) else {
+                        if buf.len() > MAX_CHUNK_LINE {
+                            return Err(Error::new("chunk-size line too long"));
+                        }
+                        return Ok(Step::NeedMore);
+                    };
+                    let size = chunk_size(&buf[..eol])?;
+                    let _ = buf.split_to(eol + 1);
+                    *chunk = if size == 0 {
+                        Chunk::Trailers(0)
+                    } else {
+                        Chunk::Data(size)
+                    };
+                }
+                Chunk::Data(left) => {
+                    let step = take_data(left, buf, data);
+                    if *left == 0 {
+                        *chunk = Chunk::DataEnd;
+                    }
+                    return Ok(step);
+                }
+                Chunk::DataEnd => {
+                    if buf.len() < 2 {
+                        return Ok(Step::NeedMore);
+                    }
+                    if &buf[..2] != b"\r\n" {
+                        return Err(Error::new("chunk data not followed by CRLF"));
+                    }
+                    let _ = buf.split_to(2);
+                    *chunk = Chunk::Size;
+                }
+                Chunk::Trailers(read) => {
+                    let Some(eol) = memchr::memchr(b'\n', buf) else {
+                        if *read + buf.len() > MAX_TRAILERS {
+                            return Err(Error::new("chunked trailers too long"));
+                        }
+                        return Ok(Step::NeedMore);
+                    };
+                    let line = buf.split_to(eol + 1);
+                    *read += line.len();
+                    if *read > MAX_TRAILERS {
+                        return Err(Error::new("chunked trailers too long"));
+                    }
+                    // Trailers are not passed on; the empty line ends the body.
+                    if line.as_ref() == b"\r\n" {
+                        *framing = Framing::Done;
+                    }
+                }
+            },
+        }
+    }
+}
+
+impl<R: Release> Body<R> {
+    /// Moves past the framing the buffer already holds (a chunk's CRLF, the last chunk,
+    /// trailers), up to data: a body whose end has arrived ends now, its connection free
+    /// and [`is_end_stream`](http_body::Body::is_end_stream) true with its last data. An
+    /// error found here is reported by the next poll.
+    fn settle(&mut self) {
+        let Some(conn) = self.conn.as_mut() else {
+            return;
+        };
+        match decode(&mut self.framing, &mut conn.buf, false) {
+            Ok(Step::End) => self.finish(),
+            Ok(_) => {}
+            Err(e) => self.error = Some(e),
+        }
+    }
+
+    /// The body has ended: the connection goes back if it can carry another request
+    /// (nothing unread is left on it), else closes.
+    fn finish(&mut self) {
+        self.framing = Framing::Done;
+        if let Some(conn) = self.conn.take() {
+            if self.keep_alive && conn.buf.is_empty() {
+                if let Some(release) = self.release.take() {
+                    release.release(conn);
+                }
+            }
+        }
+    }
+
+    /// Ends the body with an error; the connection closes.
+    fn fail(&mut self, e: Error) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+        self.framing = Framing::Done;
+        self.conn = None;
+        Poll::Ready(Some(Err(e)))
+    }
+}
+
+/// The size of a chunk from its line (hex digits, then optional extensions; CRLF).
+fn chunk_size(line: &[u8]) -> Result<u64, Error> {
+    let line = line
+        .strip_suffix(b"\r")
+        .ok_or_else(|| Error::new("chunk-size line not ended by CRLF"))?;
+    let digits = line
+        .iter()
+        .position(|b| !b.is_ascii_hexdigit())
+        .unwrap_or(line.len());
+    let rest = &line[digits..];
+    if digits == 0
+        || digits > 16
+        || !(rest.trim_ascii().is_empty() || rest.trim_ascii_start().starts_with(b";"))
+    {
+        return Err(Error::new("invalid chunk size"));
+    }
+    let mut size = 0u64;
+    for &b in &line[..digits] {
+        let d = match b {
+            b'0'..=b'9' => b - b'0',
+            b'a'..=b'f' => b - b'a' + 10,
+            _ => b - b'A' + 10,
+        };
+        size = (size << 4) | u64::from(d);
+    }
+    Ok(size)
+}
+
+impl<R: Release> http_body::Body for Body<R> {
+    type Data = Bytes;
+    type Error = Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+        let this = &mut *self;
+        if let Some(e) = this.error.take() {
+            return this.fail(e);
+        }
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match decode(&mut this.framing, &mut conn.buf, true) {
+                Err(e) => return this.fail(e),
+                Ok(Step::Data(data)) => {
+                    this.settle();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Ok(Step::End) => {
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                Ok(Step::NeedMore | Step::AtData) => {}
+            }
+            match std::task::ready!(conn.poll_fill(cx)) {
+                Ok(0) if this.framing == Framing::Close => this.framing = Framing::Done,
+                Ok(0) => {
+                    return this.fail(Error::new(
+                        "the backend closed the connection before the end of the body",
+                    ))
+                }
+                Ok(_) => {}
+                Err(e) => return this.fail(Error::io("reading the response body", &e)),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.framing == Framing::Done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length(n) => SizeHint::with_exact(n),
+            Framing::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use std::sync::{Arc, Mutex};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+    /// Keeps the connection a body gives back.
+    #[derive(Clone, Default)]
+    struct Back(Arc<Mutex<Option<Conn>>>);
+
+    impl Release for Back {
+        fn release(self, conn: Conn) {
+            *self.0.lock().unwrap() = Some(conn);
+        }
+    }
+
+    impl Back {
+        fn take(&self) -> Option<Conn> {
+            self.0.lock().unwrap().take()
+        }
+    }
+
+    fn pair() -> (Conn, DuplexStream) {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        (Conn::new(Box::new(a)), b)
+    }
+
+    fn post(body: &'static str) -> http::Request<Full<Bytes>> {
+        http::Request::post("http://backend.example:8080/v1/chat/completions?x=1")
+            .header("x-request-id", "r1")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap()
+    }
+
+    /// What the backend end of the pipe has received so far.
+    async fn received(server: &mut DuplexStream) -> String {
+        let mut buf = vec![0; 1 << 16];
+        let n = server.read(&mut buf).await.unwrap();
+        String::from_utf8(buf[..n].to_vec()).unwrap()
+    }
+
+    async fn exchange(
+        conn: Conn,
+        server: &mut DuplexStream,
+        req: http::Request<Full<Bytes>>,
+        response: &[u8],
+    ) -> (Result<http::Response<Body<Back>>, SendError>, Back) {
+        server.write_all(response).await.unwrap();
+        let back = Back::default();
+        let host = HeaderValue::from_static("backend.example:8080");
+        (conn.send(req, Some(&host), back.clone()).await, back)
+    }
+
+    async fn read_all(body: Body<Back>) -> Result<Bytes, Error> {
+        body.collect().await.map(|c| c.to_bytes())
+    }
+
+    #[tokio::test]
+    async fn sends_origin_form_with_host_and_reuses_after_a_sized_body() {
+        let (conn, mut server) = pair();
+        let (resp, back) = exchange(
+            conn,
+            &mut server,
+            post("{\"a\":1}"),
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Ratelimit-Remaining-Tokens: 9\r\nContent-Length: 5\r\n\r\nhello",
+        )
+        .await;
+        let resp = resp.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-ratelimit-remaining-tokens"], "9");
+        assert_eq!(resp.headers()["content-type"], "application/json");
+        assert_eq!(
+            http_body::Body::size_hint(resp.body()).exact(),
+            Some(5),
+            "a sized body says its size"
+        );
+        let body = resp.into_body();
+        // The whole body came with the head: it ends with its data, and the connection
+        // is free at once.
+        assert_eq!(read_all(body).await.unwrap(), "hello");
+        let sent = received(&mut server).await;
+        assert_eq!(
+            sent,
+            "POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: backend.example:8080\r\nx-request-id: r1\r\ncontent-length: 7\r\n\r\n{\"a\":1}"
+        );
+        let conn = back.take().expect("connection given back");
+        let (resp, back) = exchange(
+            conn,
+            &mut server,
+            post("{}"),
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        )
+        .await;
+        assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), "ok");
+        assert!(back.take().is_some(), "reused again");
+    }
+
+    #[tokio::test]
+    async fn request_headers_length_and_host() {
+        let (conn, mut server) = pair();
+        let req = http::Request::get("http://b/v1/models")
+            .header(header::HOST, "kept.example")
+            .header(header::CONTENT_LENGTH, "99")
+            .header(header::TRANSFER_ENCODING, "chunked")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let (resp, _) = exchange(conn, &mut server, req, b"HTTP/1.1 204 No Content\r\n\r\n").await;
+        assert_eq!(resp.unwrap().status(), 204);
+        assert_eq!(
+            received(&mut server).await,
+            "GET /v1/models HTTP/1.1\r\nhost: kept.example\r\n\r\n",
+            "a Host the request has is kept; a GET with no body has no length; the client's length and coding are not passed on"
+        );
+        let (conn, mut server) = pair();
+        let req = http::Request::delete("http://b/v1/files/f")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let (resp, _) = exchange(
+            conn,
+            &mut server,
+            req,
+            b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+        )
+        .await;
+        resp.unwrap();
+        assert!(received(&mut server)
+            .await
+            .ends_with("content-length: 0\r\n\r\n"));
+    }
+
+    #[tokio::test]
+    async fn empty_bodies_end_at_once_and_free_the_connection() {
+        for response in [
+            &b"HTTP/1.1 204 No Content\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            b"HTTP/1.1 304 Not Modified\r\nContent-Length: 10\r\n\r\n",
+        ] {
+            let (conn, mut server) = pair();
+            let (resp, back) = exchange(conn, &mut server, post("{}"), response).await;
+            let resp = resp.unwrap();
+            assert!(http_body::Body::is_end_stream(resp.body()));
+            assert!(back.take().is_some(), "given back before the body is read");
+            assert_eq!(read_all(resp.into_body()).await.unwrap(), "");
+        }
+        // A HEAD response's length is the resource's, not a body's.
+        let (conn, mut server) = pair();
+        let req = http::Request::head("http://b/x")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let (resp, back) = exchange(
+            conn,
+            &mut server,
+            req,
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n",
+        )
+        .await;
+        assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), "");
+        assert!(back.take().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_chunked_stream_is_passed_on_chunk_by_chunk_as_it_comes() {
+        let (conn, mut server) = pair();
+        let (resp, back) = exchange(
+            conn,
+            &mut server,
+            post("{}"),
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .await;
+        let mut body = resp.unwrap().into_body();
+        for event in ["data: one\n\n", "data: two\n\n"] {
+            server
+                .write_all(format!("{:x};ext=1\r\n{event}\r\n", event.len()).as_bytes())
+                .await
+                .unwrap();
+            let frame = body.frame().await.unwrap().unwrap();
+            assert_eq!(frame.into_data().unwrap(), event);
+        }
+        // The last data and the end in one read: the data ends the body.
+        server
+            .write_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\nx-trailer: t\r\n\r\n")
+            .await
+            .unwrap();
+        let frame = body.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "data: [DONE]\n\n");
+        assert!(http_body::Body::is_end_stream(&body));
+        assert!(back.take().is_some(), "free once the end is read");
+        assert!(body.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn informational_responses_are_passed_over() {
+        let (conn, mut server) = pair();
+        let (resp, _) = exchange(
+            conn,
+            &mut server,
+            post("{}"),
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 1\r\n\r\nz",
+        )
+        .await;
+        let resp = resp.unwrap();
+        assert_eq!(resp.status(), 201);
+        assert!(resp.headers().get("link").is_none());
+        assert_eq!(read_all(resp.into_body()).await.unwrap(), "z");
+    }
+
+    #[tokio::test]
+    async fn connections_that_cannot_carry_another_request_are_not_given_back() {
+        for (response, body) in [
+            // Closed by the backend's word.
+            (&b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"[..], "ok"),
+            // HTTP/1.0.
+            (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", "ok"),
+            // Bytes after the end of the body.
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokextra", "ok"),
+            // Both a coding and a length.
+            (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n2\r\nok\r\n0\r\n\r\n", "ok"),
+        ] {
+            let (conn, mut server) = pair();
+            let (resp, back) = exchange(conn, &mut server, post("{}"), response).await;
+            assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), body);
+            assert!(back.take().is_none(), "{}", String::from_utf8_lossy(response));
+        }
+        // No length: the body ends when the backend closes.
+        let (conn, mut server) = pair();
+        let (resp, back) = exchange(
+            conn,
+            &mut server,
+            post("{}"),
+            b"HTTP/1.1 200 OK\r\n\r\nuntil",
+        )
+        .await;
+        let body = resp.unwrap().into_body();
+        server.write_all(b" the end").await.unwrap();
+        drop(server);
+        assert_eq!(read_all(body).await.unwrap(), "until the end");
+        assert!(back.take().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_fails_and_its_connection_closes() {
+        for response in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"[..],
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabcde\r\n",
+        ] {
+            let (conn, mut server) = pair();
+            let (resp, back) = exchange(conn, &mut server, post("{}"), response).await;
+            let body = resp.unwrap().into_body();
+            drop(server);
+            let e = read_all(body).await.unwrap_err();
+            assert!(e.to_string().contains("before the end of the body"), "{e}");
+            assert!(back.take().is_none());
+        }
+    }
+
+    #[tokio::test]
+    async fn bad_response_heads_fail_the_request() {
+        let cases: [(&[u8], &str); 7] = [
+            (
+                b"HTTP/1.1 200 OK\r\nContent-Length: 1x\r\n\r\n",
+                "invalid content-length",
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+                "conflicting content-length",
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+                "invalid content-length",
+            ),
+            (
+                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n",
+                "switched protocols",
+            ),
+            (b"HTCPCP/1.0 418\r\n\r\n", "invalid response head"),
+            (
+                b"HTTP/1.1 200 OK\r\nBad Header: x\r\n\r\n",
+                "invalid response head",
+            ),
+            (b"HTTP/1.1 200", "in the middle of the response head"),
+        ];
+        for (response, want) in cases {
+            let (conn, mut server) = pair();
+            server.write_all(response).await.unwrap();
+            server.shutdown().await.unwrap();
+            let r = conn.send(post("{}"), None, Back::default()).await;
+            match r {
+                Err(SendError::Failed(e)) => assert!(e.to_string().contains(want), "{e} / {want}"),
+                other => panic!(
+                    "{}: {:?}",
+                    String::from_utf8_lossy(response),
+                    other.map(|r| r.status())
+                ),
+            }
+        }
+        // Equal repeated lengths are one length.
+        let (conn, mut server) = pair();
+        let (resp, _) = exchange(
+            conn,
+            &mut server,
+            post("{}"),
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nContent-Length: 2\r\n\r\nok",
+        )
+        .await;
+        assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), "ok");
+    }
+
+    #[tokio::test]
+    async fn response_heads_have_limits() {
+        let (conn, mut server) = pair();
+        let mut big = b"HTTP/1.1 200 OK\r\n".to_vec();
+        while big.len() <= MAX_HEAD {
+            big.extend_from_slice(b"x-filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n");
+        }
+        let (resp, _) = exchange(conn, &mut server, post("{}"), &big).await;
+        match resp {
+            Err(SendError::Failed(e)) => assert!(
+                e.to_string().contains("over 64 KiB") || e.to_string().contains("more than"),
+                "{e}"
+            ),
+            _ => panic!("accepted"),
+        }
+        let (conn, mut server) = pair();
+        let mut many = b"HTTP/1.1 200 OK\r\n".to_vec();
+        for i in 0..=MAX_HEADERS {
+            many.extend_from_slice(format!("x-h{i}: v\r\n").as_bytes());
+        }
+        many.extend_from_slice(b"\r\n");
+        let (resp, _) = exchange(conn, &mut server, post("{}"), &many).await;
+        match resp {
+            Err(SendError::Failed(e)) => {
+                assert!(e.to_string().contains("more than 128 headers"), "{e}")
+            }
+            _ => panic!("accepted"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_not_written_at_all_is_given_back_whole() {
+        let (conn, server) = pair();
+        drop(server);
+        match conn.send(post("{\"k\":2}"), None, Back::default()).await {
+            Err(SendError::Unsent(req, _)) => {
+                assert_eq!(
+                    req.uri(),
+                    "http://backend.example:8080/v1/chat/completions?x=1"
+                );
+                assert_eq!(req.headers()["x-request-id"], "r1");
+                assert_eq!(full_bytes(req.body()), "{\"k\":2}");
+            }
+            other => panic!("{:?}", other.map(|r| r.status())),
+        }
+        // Written, then no answer: failed, never to be sent again.
+        let (conn, mut server) = pair();
+        let task = tokio::spawn(async move {
+            let _ = received(&mut server).await;
+            drop(server);
+        });
+        match conn.send(post("{}"), None, Back::default()).await {
+            Err(SendError::Failed(e)) => assert!(e.to_string().contains("before answering"), "{e}"),
+            other => panic!("{:?}", other.map(|r| r.status())),
+        }
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_shows_a_close_or_unasked_bytes() {
+        let (mut conn, server) = pair();
+        assert!(!conn.is_closed());
+        drop(server);
+        assert!(conn.is_closed());
+        let (mut conn, mut server) = pair();
+        server
+            .write_all(b"HTTP/1.1 408 Request Timeout\r\n\r\n")
+            .await
+            .unwrap();
+        assert!(conn.is_closed(), "bytes nobody asked for");
+    }
+
+    /// Encodes `chunks` (with an extension on some) and `trailers` as a chunked body.
+    fn chunked(chunks: &[Vec<u8>], trailers: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (i, c) in chunks.iter().filter(|c| !c.is_empty()).enumerate() {
+            if i % 2 == 0 {
+                out.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+            } else {
+                out.extend_from_slice(format!("{:X} ; name=\"v\"\r\n", c.len()).as_bytes());
+            }
+            out.extend_from_slice(c);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"0\r\n");
+        if trailers {
+            out.extend_from_slice(b"x-checksum: abc\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        out
+    }
+
+    proptest::proptest! {
+        /// Whatever the chunks and however the bytes arrive, the data comes out whole,
+        /// the end is found where it is, and what follows is left unread.
+        #[test]
+        fn chunked_decoding_is_the_same_however_the_bytes_arrive(
+            chunks in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..300), 0..8),
+            trailers in proptest::bool::ANY,
+            cuts in proptest::collection::vec(1usize..64, 1..40),
+        ) {
+            let mut wire = chunked(&chunks, trailers);
+            let end = wire.len();
+            wire.extend_from_slice(b"NEXT");
+            let mut framing = Framing::Chunked(Chunk::Size);
+            let mut buf = BytesMut::new();
+            let mut data = Vec::new();
+            let mut fed = 0;
+            let mut cut = cuts.iter().cycle();
+            loop {
+                match decode(&mut framing, &mut buf, true).unwrap() {
+                    Step::Data(d) => data.extend_from_slice(&d),
+                    Step::End => break,
+                    Step::NeedMore => {
+                        proptest::prop_assert!(fed < end, "wants more past the end");
+                        let n = (*cut.next().unwrap()).min(wire.len() - fed);
+                        buf.extend_from_slice(&wire[fed..fed + n]);
+                        fed += n;
+                    }
+                    Step::AtData => unreachable!(),
+                }
+            }
+            proptest::prop_assert_eq!(data, chunks.concat());
+            let mut rest = buf.to_vec();
+            rest.extend_from_slice(&wire[fed..]);
+            proptest::prop_assert_eq!(&rest[..], b"NEXT");
+        }
+    }
+
+    #[test]
+    fn chunk_sizes() {
+        assert_eq!(chunk_size(b"1a\r").unwrap(), 26);
+        assert_eq!(chunk_size(b"FF;a=b\r").unwrap(), 255);
+        assert_eq!(chunk_size(b"10 \r").unwrap(), 16);
+        assert_eq!(chunk_size(b"ffffffffffffffff\r").unwrap(), u64::MAX);
+        for bad in [
+            &b"\r"[..],
+            b"g\r",
+            b"1a",
+            b"1 2\r",
+            b"10000000000000000\r",
+            b"-1\r",
+        ] {
+            assert!(chunk_size(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn numbers_in_decimal() {
+        for n in [0, 7, 10, 4096, usize::MAX] {
+            assert_eq!(itoa(n, &mut [0; 20]), n.to_string().as_bytes());
+        }
+    }
+}
