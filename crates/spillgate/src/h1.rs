@@ -67,7 +67,9 @@ impl std::error::Error for Error {}
 /// Why [`Conn::send`] got no response.
 #[derive(Debug)]
 pub enum SendError {
-    /// Not a byte was written: the request, as it came, may go on another connection.
+    /// The first write failed: the request, as it came, may go on another connection.
+    /// Over plain TCP not a byte went; over TLS at most part of the first records, never
+    /// a request the backend could act on.
     Unsent(Box<http::Request<Full<Bytes>>>, Error),
     /// Failed once (some of) the request may have been written: not to be sent again.
     Failed(Error),
@@ -103,10 +105,13 @@ impl Conn {
     pub fn is_closed(&mut self) -> bool {
         if !self.closed {
             let mut cx = Context::from_waker(Waker::noop());
-            self.closed = match self.poll_fill(&mut cx) {
-                Poll::Pending => false,
-                Poll::Ready(Ok(_) | Err(_)) => true,
-            };
+            // Into a few bytes on the stack: an idle connection keeps no read buffer for
+            // this, and any byte at all means it cannot be used.
+            let mut probe = [0u8; 8];
+            let mut probe = tokio::io::ReadBuf::new(&mut probe);
+            self.closed = Pin::new(&mut self.io)
+                .poll_read(&mut cx, &mut probe)
+                .is_ready();
         }
         self.closed
     }
@@ -143,14 +148,17 @@ impl Conn {
         let body = full_bytes(req.body());
         self.head.clear();
         encode_head(&mut self.head, &req, host, body.len());
-        if let Err((written, e)) = self.write(&body).await {
-            let e = Error::io("writing the request", &e);
-            return Err(if written == 0 {
-                SendError::Unsent(Box::new(req), e)
-            } else {
-                SendError::Failed(e)
-            });
-        }
+        let wrote = match self.write(&body).await {
+            Ok(wrote) => wrote,
+            Err((written, e)) => {
+                let e = Error::io("writing the request", &e);
+                return Err(if written == 0 {
+                    SendError::Unsent(Box::new(req), e)
+                } else {
+                    SendError::Failed(e)
+                });
+            }
+        };
         let is_head = req.method() == Method::HEAD;
         drop(req);
         let head = loop {
@@ -184,8 +192,16 @@ impl Conn {
                 "the backend switched protocols, which the gateway never asks for",
             )));
         }
-        let (framing, keep_alive) = framing(is_head, head.status, head.version, &head.headers)
+        let (framing, mut keep_alive) = framing(is_head, head.status, head.version, &head.headers)
             .map_err(SendError::Failed)?;
+        // Answered before taking the whole request: the rest of it is not sent, so the
+        // connection cannot carry another.
+        keep_alive &= wrote == Wrote::All;
+        let mut headers = head.headers;
+        // With a coding, a length is not the body's (RFC 9112, 6.3): not passed on.
+        if headers.contains_key(header::TRANSFER_ENCODING) {
+            headers.remove(header::CONTENT_LENGTH);
+        }
         let mut resp = http::Response::new(Body {
             conn: Some(self),
             framing,
@@ -195,31 +211,87 @@ impl Conn {
         });
         *resp.status_mut() = head.status;
         *resp.version_mut() = head.version;
-        *resp.headers_mut() = head.headers;
+        *resp.headers_mut() = headers;
         resp.body_mut().settle();
         Ok(resp)
     }
 
-    /// Writes the head and then `body`; on failure, how many bytes went.
-    async fn write(&mut self, body: &[u8]) -> Result<(), (usize, std::io::Error)> {
-        let Conn { io, head, .. } = self;
-        let total = head.len() + body.len();
+    /// Writes the head and then `body`, unless the backend answers first (a request too
+    /// large, say, answered without being read); on failure, how many bytes went.
+    async fn write(&mut self, body: &[u8]) -> Result<Wrote, (usize, std::io::Error)> {
+        let total = self.head.len() + body.len();
         let mut written = 0;
-        while written < total {
-            let from_head = head.get(written..).unwrap_or_default();
+        poll_fn(|cx| loop {
+            if written == total {
+                return Pin::new(&mut self.io)
+                    .poll_flush(cx)
+                    .map_ok(|()| Wrote::All)
+                    .map_err(|e| (written, e));
+            }
+            let from_head = self.head.get(written..).unwrap_or_default();
             let from_body = body
-                .get(written.saturating_sub(head.len())..)
+                .get(written.saturating_sub(self.head.len())..)
                 .unwrap_or_default();
             let bufs = [IoSlice::new(from_head), IoSlice::new(from_body)];
-            match poll_fn(|cx| Pin::new(&mut *io).poll_write_vectored(cx, &bufs)).await {
-                Ok(0) => return Err((written, std::io::ErrorKind::WriteZero.into())),
-                Ok(n) => written += n,
-                Err(e) => return Err((written, e)),
+            match Pin::new(&mut self.io).poll_write_vectored(cx, &bufs) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err((written, std::io::ErrorKind::WriteZero.into())))
+                }
+                Poll::Ready(Ok(n)) => written += n,
+                // The backend may have answered, then closed.
+                Poll::Ready(Err(_)) if written > 0 && self.answered(cx) => {
+                    return Poll::Ready(Ok(Wrote::Answered))
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err((written, e))),
+                // Not taking more: it may have answered already (the read is polled too,
+                // so an answer wakes this).
+                Poll::Pending if self.answered(cx) => return Poll::Ready(Ok(Wrote::Answered)),
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// Reads what the backend sent and says whether a complete final response head is
+    /// there; registers `cx` for more when not.
+    fn answered(&mut self, cx: &mut Context<'_>) -> bool {
+        loop {
+            match self.poll_fill(cx) {
+                Poll::Ready(Ok(n)) if n > 0 && self.buf.len() < MAX_HEAD => {
+                    if final_head_in(&self.buf) {
+                        return true;
+                    }
+                }
+                _ => return final_head_in(&self.buf),
             }
         }
-        poll_fn(|cx| Pin::new(&mut *io).poll_flush(cx))
-            .await
-            .map_err(|e| (written, e))
+    }
+}
+
+/// How writing a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wrote {
+    All,
+    /// The backend answered before taking it all.
+    Answered,
+}
+
+/// Whether `buf` starts with a complete final (not 1xx) response head, after any
+/// informational ones; also true for a head that cannot be parsed, for the read that
+/// follows to report.
+fn final_head_in(buf: &[u8]) -> bool {
+    let mut at = 0;
+    loop {
+        let mut parsed = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut parsed);
+        match resp.parse(buf.get(at..).unwrap_or_default()) {
+            Ok(httparse::Status::Complete(len)) => match resp.code {
+                Some(code) if (100..200).contains(&code) && code != 101 => at += len,
+                _ => return true,
+            },
+            Ok(httparse::Status::Partial) => return false,
+            Err(_) => return true,
+        }
     }
 }
 
@@ -244,12 +316,16 @@ fn encode_head(
 ) {
     out.extend_from_slice(req.method().as_str().as_bytes());
     out.push(b' ');
-    let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
-    out.extend_from_slice(if target.is_empty() {
-        b"/"
+    let path = req.uri().path();
+    out.extend_from_slice(if path.starts_with('/') {
+        path.as_bytes()
     } else {
-        target.as_bytes()
+        b"/"
     });
+    if let Some(query) = req.uri().query() {
+        out.push(b'?');
+        out.extend_from_slice(query.as_bytes());
+    }
     out.extend_from_slice(b" HTTP/1.1\r\n");
     let headers = req.headers();
     if let (Some(host), false) = (host, headers.contains_key(header::HOST)) {
@@ -547,8 +623,11 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step,
                     if *read > MAX_TRAILERS {
                         return Err(Error::new("chunked trailers too long"));
                     }
+                    if !line.ends_with(b"\r\n") {
+                        return Err(Error::new("trailer line not ended by CRLF"));
+                    }
                     // Trailers are not passed on; the empty line ends the body.
-                    if line.as_ref() == b"\r\n" {
+                    if line.len() == 2 {
                         *framing = Framing::Done;
                     }
                 }
@@ -604,6 +683,12 @@ fn chunk_size(line: &[u8]) -> Result<u64, Error> {
         .position(|b| !b.is_ascii_hexdigit())
         .unwrap_or(line.len());
     let rest = &line[digits..];
+    // Leading zeros do not count towards the 16 digits a u64 holds.
+    let zeros = line[..digits].iter().take_while(|&&b| b == b'0').count();
+    let (line, digits) = match digits - zeros {
+        0 if digits > 0 => (&line[digits - 1..], 1),
+        n => (&line[zeros..], n),
+    };
     if digits == 0
         || digits > 16
         || !(rest.trim_ascii().is_empty() || rest.trim_ascii_start().starts_with(b";"))
@@ -870,6 +955,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_answer_before_the_whole_request_is_taken_is_the_response() {
+        // A pipe that takes 1 KiB, and a backend that answers a 64 KiB request at once
+        // without reading it.
+        let (a, mut server) = tokio::io::duplex(1024);
+        let conn = Conn::new(Box::new(a));
+        server
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 413 Payload Too Large\r\nContent-Length: 4\r\n\r\nbig!")
+            .await
+            .unwrap();
+        let req = http::Request::post("http://b/v1/embeddings")
+            .body(Full::new(Bytes::from(vec![b'x'; 64 * 1024])))
+            .unwrap();
+        let back = Back::default();
+        let send = conn.send(req, None, back.clone());
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
+            .await
+            .expect("the answer was not seen while writing")
+            .unwrap();
+        assert_eq!(resp.status(), 413);
+        assert_eq!(read_all(resp.into_body()).await.unwrap(), "big!");
+        assert!(
+            back.take().is_none(),
+            "the rest of the request was never sent"
+        );
+    }
+
+    #[tokio::test]
     async fn informational_responses_are_passed_over() {
         let (conn, mut server) = pair();
         let (resp, _) = exchange(
@@ -902,6 +1014,12 @@ mod tests {
             assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), body);
             assert!(back.take().is_none(), "{}", String::from_utf8_lossy(response));
         }
+        // The length beside a coding is not the body's: not passed on.
+        let (conn, mut server) = pair();
+        let (resp, _) = exchange(conn, &mut server, post("{}"), b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n").await;
+        let resp = resp.unwrap();
+        assert!(resp.headers().get(header::CONTENT_LENGTH).is_none());
+        assert_eq!(read_all(resp.into_body()).await.unwrap(), "ok");
         // No length: the body ends when the backend closes.
         let (conn, mut server) = pair();
         let (resp, back) = exchange(
@@ -930,6 +1048,24 @@ mod tests {
             drop(server);
             let e = read_all(body).await.unwrap_err();
             assert!(e.to_string().contains("before the end of the body"), "{e}");
+            assert!(back.take().is_none());
+        }
+    }
+
+    #[tokio::test]
+    async fn bad_chunked_framing_fails_the_body() {
+        for (framing, want) in [
+            (&b"2\r\nokX\r\n"[..], "not followed by CRLF"),
+            (b"zz\r\n", "invalid chunk size"),
+            (b"2\nok\r\n", "not ended by CRLF"),
+            (b"0\r\n\n", "trailer line not ended by CRLF"),
+        ] {
+            let (conn, mut server) = pair();
+            let mut response = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+            response.extend_from_slice(framing);
+            let (resp, back) = exchange(conn, &mut server, post("{}"), &response).await;
+            let e = read_all(resp.unwrap().into_body()).await.unwrap_err();
+            assert!(e.to_string().contains(want), "{e} / {want}");
             assert!(back.take().is_none());
         }
     }
@@ -1121,6 +1257,8 @@ mod tests {
         assert_eq!(chunk_size(b"FF;a=b\r").unwrap(), 255);
         assert_eq!(chunk_size(b"10 \r").unwrap(), 16);
         assert_eq!(chunk_size(b"ffffffffffffffff\r").unwrap(), u64::MAX);
+        assert_eq!(chunk_size(b"000000000000000000001a\r").unwrap(), 26);
+        assert_eq!(chunk_size(b"00000000000000000000\r").unwrap(), 0);
         for bad in [
             &b"\r"[..],
             b"g\r",
