@@ -16,10 +16,11 @@
 
 use std::future::poll_fn;
 use std::io::IoSlice;
+use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 use http_body::{Frame, SizeHint};
 use http_body_util::Full;
@@ -282,9 +283,13 @@ enum Wrote {
 fn final_head_in(buf: &[u8]) -> bool {
     let mut at = 0;
     loop {
-        let mut parsed = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut resp = httparse::Response::new(&mut parsed);
-        match resp.parse(buf.get(at..).unwrap_or_default()) {
+        let mut parsed = [const { MaybeUninit::uninit() }; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut []);
+        match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut resp,
+            buf.get(at..).unwrap_or_default(),
+            &mut parsed,
+        ) {
             Ok(httparse::Status::Complete(len)) => match resp.code {
                 Some(code) if (100..200).contains(&code) && code != 101 => at += len,
                 _ => return true,
@@ -374,9 +379,18 @@ struct Head {
 /// returns `None` when the head is not all there yet. Header values share the head's
 /// bytes (no copy).
 fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
-    let mut parsed = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut parsed);
-    let len = match resp.parse(buf) {
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    // Left uninitialised for httparse to fill: a 4 KiB array zeroed per response cost
+    // more than parsing a short head.
+    let mut parsed = [const { MaybeUninit::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut resp,
+        buf,
+        &mut parsed,
+    ) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => {
@@ -587,7 +601,7 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step,
                         return Ok(Step::NeedMore);
                     };
                     let size = chunk_size(&buf[..eol])?;
-                    let _ = buf.split_to(eol + 1);
+                    buf.advance(eol + 1);
                     *chunk = if size == 0 {
                         Chunk::Trailers(0)
                     } else {
@@ -608,7 +622,7 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step,
                     if &buf[..2] != b"\r\n" {
                         return Err(Error::new("chunk data not followed by CRLF"));
                     }
-                    let _ = buf.split_to(2);
+                    buf.advance(2);
                     *chunk = Chunk::Size;
                 }
                 Chunk::Trailers(read) => {
@@ -618,18 +632,18 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step,
                         }
                         return Ok(Step::NeedMore);
                     };
-                    let line = buf.split_to(eol + 1);
-                    *read += line.len();
+                    *read += eol + 1;
                     if *read > MAX_TRAILERS {
                         return Err(Error::new("chunked trailers too long"));
                     }
-                    if !line.ends_with(b"\r\n") {
+                    if eol == 0 || buf[eol - 1] != b'\r' {
                         return Err(Error::new("trailer line not ended by CRLF"));
                     }
                     // Trailers are not passed on; the empty line ends the body.
-                    if line.len() == 2 {
+                    if eol == 1 {
                         *framing = Framing::Done;
                     }
+                    buf.advance(eol + 1);
                 }
             },
         }
