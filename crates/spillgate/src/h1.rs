@@ -876,6 +876,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn bodies_larger_than_the_read_room_come_whole() {
+        let big: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let mut sized =
+            format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", big.len()).into_bytes();
+        sized.extend_from_slice(&big);
+        let mut chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+        chunked.extend_from_slice(format!("{:x}\r\n", big.len()).as_bytes());
+        chunked.extend_from_slice(&big);
+        chunked.extend_from_slice(b"\r\n0\r\n\r\n");
+        for response in [sized, chunked] {
+            let (conn, mut server) = pair();
+            let (resp, back) = exchange(conn, &mut server, post("{}"), &response).await;
+            assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), big);
+            let conn = back.take().expect("given back");
+            assert!(conn.room > READ_ROOM, "reads that fill their room get more");
+        }
+    }
+
+    #[tokio::test]
     async fn request_headers_length_and_host() {
         let (conn, mut server) = pair();
         let req = http::Request::get("http://b/v1/models")
