@@ -281,12 +281,61 @@ impl Usage {
 }
 
 /// The `usage` total of a JSON document, if it has one. Only the `usage` member is
-/// parsed; the rest of the document is skipped over by [`top_level_member`], which costs
-/// a fraction of a full parse (this runs on every response).
+/// parsed; the rest of the document is skipped over, by [`sole_top_level_usage`] from the
+/// end, else by [`top_level_members`] from the start (this runs on every response).
 pub fn usage_total(json: &[u8]) -> Option<u64> {
-    let [value] = top_level_members(json, [b"usage"]);
-    let mut de = serde_json::Deserializer::from_slice(value?);
+    let value = match sole_top_level_usage(json) {
+        Some(value) => value,
+        None => {
+            let [value] = top_level_members(json, [b"usage"]);
+            value?
+        }
+    };
+    let mut de = serde_json::Deserializer::from_slice(value);
     Option::<Usage>::deserialize(&mut de).ok()??.total()
+}
+
+/// When `"usage"` occurs once in `json`, as a key of the top-level object: the bytes from
+/// its value to the end of `json`. Told by a scan from the end of the document back to the
+/// key, which is short: models' answers put `usage` last (Azure) or nearly (OpenAI, before
+/// `service_tier` and `system_fingerprint`), and the forward scan read the whole answer
+/// (two thirds of this function's cost on a short chat answer). `None` when this cannot
+/// tell: the caller then scans from the start.
+fn sole_top_level_usage(json: &[u8]) -> Option<&[u8]> {
+    const KEY: &[u8] = b"\"usage\"";
+    static FIRST: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
+    static LAST: std::sync::LazyLock<memchr::memmem::FinderRev<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::FinderRev::new(KEY));
+    let at = FIRST.find(json)?;
+    if LAST.rfind(json)? != at || escaped(json, at) {
+        return None;
+    }
+    let after = at + KEY.len();
+    // From the end back to the key: outside every string, inside exactly one object or
+    // array (the top-level one). A quote is a string's edge unless an odd number of
+    // backslashes precede it.
+    let (mut depth, mut in_string) = (0usize, false);
+    for (i, &c) in json.iter().enumerate().skip(after).rev() {
+        match c {
+            b'"' if !escaped(json, i) => in_string = !in_string,
+            _ if in_string => {}
+            b'}' | b']' => depth += 1,
+            b'{' | b'[' => depth = depth.checked_sub(1)?,
+            _ => {}
+        }
+    }
+    if in_string || depth != 1 {
+        return None;
+    }
+    let rest = &json[after..];
+    let colon = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+    (rest[colon] == b':').then(|| &rest[colon + 1..])
+}
+
+/// Whether the byte at `i` is escaped: an odd number of backslashes right before it.
+fn escaped(json: &[u8], i: usize) -> bool {
+    json[..i].iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1
 }
 
 /// For each of `keys`, the bytes from the value of that top-level member of the JSON
@@ -666,6 +715,42 @@ mod tests {
             assert_eq!(usage_total(json.as_bytes()), want, "{json}");
             assert_eq!(usage_by_full_parse(json.as_bytes()), want, "{json}");
         }
+    }
+
+    #[test]
+    fn a_sole_top_level_usage_is_found_from_the_end() {
+        let found = [
+            r#"{"choices":[{"message":{"content":"}{]["}}],"id":"x","usage":{"total_tokens":35}}"#,
+            r#"{"id":"x","usage":{"total_tokens":35},"service_tier":"default","system_fingerprint":"fp_\"}"}"#,
+            "{\n  \"usage\" :\t{\"total_tokens\": 35}\n}\n",
+            // What the mock backend answers.
+            r#"{"choices":[{"finish_reason":"stop","index":0,"logprobs":null,"message":{"content":"Hello from b","refusal":null,"role":"assistant"}}],"created":1795255243,"id":"chatcmpl-mock1","model":"gpt-4o","object":"chat.completion","system_fingerprint":null,"usage":{"completion_tokens":3,"prompt_tokens":32,"total_tokens":35}}"#,
+        ];
+        for json in found {
+            let value = sole_top_level_usage(json.as_bytes());
+            assert!(
+                value.is_some_and(|v| v.trim_ascii_start().starts_with(b"{\"")),
+                "{json}"
+            );
+            assert_eq!(usage_total(json.as_bytes()), Some(35), "{json}");
+        }
+        // Left to the scan from the start.
+        let not_found = [
+            r#"{"a":{"usage":{"total_tokens":1}}}"#,
+            r#"{"a":"usage"}"#,
+            r#"{"a":"x\"usage\":1"}"#,
+            r#"{"usage":{"total_tokens":1},"b":{"usage":{"total_tokens":2}}}"#,
+            r#"[{"usage":{"total_tokens":1}}]"#,
+            r#"{"a":"\"usage"}"#,
+        ];
+        for json in not_found {
+            assert_eq!(sole_top_level_usage(json.as_bytes()), None, "{json}");
+        }
+        // Two of them: the first counts, as in a scan from the start.
+        assert_eq!(
+            usage_total(br#"{"usage":{"total_tokens":1},"b":{"usage":{"total_tokens":2}}}"#),
+            Some(1)
+        );
     }
 
     fn json_value() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
