@@ -40,14 +40,24 @@ fn digest(bytes: &[u8]) -> [u8; 32] {
 #[derive(Debug, Clone)]
 pub enum Client {
     Anonymous,
-    Named(Arc<str>),
+    /// A configured client key's name, and the key's place in the list (from 1).
+    Named(Arc<str>, u32),
 }
 
 impl Client {
     pub fn name(&self) -> &str {
         match self {
             Client::Anonymous => "-",
-            Client::Named(n) => n,
+            Client::Named(n, _) => n,
+        }
+    }
+
+    /// 0 for an anonymous client, else the key's place in the configured list (from 1):
+    /// stable for a config snapshot, for keys of metric handles.
+    pub fn index(&self) -> u32 {
+        match self {
+            Client::Anonymous => 0,
+            Client::Named(_, i) => *i,
         }
     }
 
@@ -55,7 +65,7 @@ impl Client {
     pub fn label(&self) -> crate::metrics::Label {
         match self {
             Client::Anonymous => "-".into(),
-            Client::Named(n) => n.into(),
+            Client::Named(n, _) => n.into(),
         }
     }
 }
@@ -101,9 +111,9 @@ impl ClientKeys {
         let presented = digest(presented.trim_ascii());
         let mut found = None;
         // Check every key, without an early exit, so timing does not tell which matched.
-        for (name, key) in keys {
+        for (i, (name, key)) in (1u32..).zip(keys) {
             if bool::from(key.ct_eq(&presented)) {
-                found = Some(Client::Named(Arc::clone(name)));
+                found = Some(Client::Named(Arc::clone(name), i));
             }
         }
         found

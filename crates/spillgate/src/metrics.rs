@@ -350,6 +350,7 @@ pub struct RequestHandles {
     pub attempts: HandleCache<Counter>,
     pub ttfb: HandleCache<Histogram>,
     pub duration: HandleCache<Histogram>,
+    pub tokens: HandleCache<Counter>,
 }
 
 /// `2xx`, `4xx`, ... for a status.

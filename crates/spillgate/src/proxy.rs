@@ -35,6 +35,7 @@ use crate::metrics::{Label, Labels};
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
 use crate::store::{ProbeClaim, StateStore, StoreBudget};
 use crate::upstream::AttemptError;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 
@@ -1794,18 +1795,26 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             // request priority) the release of the deployment's reservation, corrected by
             // that usage.
             let started = ctx.started;
-            let labels: (Label, Label) = ((&b.cfg.name).into(), client.label());
+            let tokens = handles.tokens.with(
+                (backend as u64) << 32 | u64::from(client.index()),
+                || {
+                    app.metrics
+                        .tokens
+                        .get_or_create(&vec![
+                            ("backend", (&b.cfg.name).into()),
+                            ("client", client.label()),
+                        ])
+                        .clone()
+                },
+                Counter::clone,
+            );
             let app_end = Arc::clone(app);
             let on_usage: crate::priority::OnUsage = Box::new(move |used| {
                 if let Some(r) = reservation {
                     r.settle(used, app_end.clock.now_ms());
                 }
                 if let Some(u) = used {
-                    app_end
-                        .metrics
-                        .tokens
-                        .get_or_create(&vec![("backend", labels.0), ("client", labels.1)])
-                        .inc_by(u);
+                    tokens.inc_by(u);
                 }
                 duration.observe(started.elapsed().as_secs_f64());
             });

@@ -1513,3 +1513,46 @@ async fn the_idle_timeout_cuts_a_stalled_stream_and_spares_a_long_one() {
         assert!(text.starts_with("data: {"), "idle {idle}: {text}");
     }
 }
+
+/// Tokens are counted per backend and per client key: each key's requests in its own series.
+#[tokio::test]
+async fn tokens_are_counted_per_client_key() {
+    let mock = MockBackend::start(MockConfig::named("m")).await.unwrap();
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[admin]\nenabled = false\n[auth]\nclient_keys = [\"env:TEAM_A\", \"env:TEAM_B\"]\n\
+         [[backends]]\nname = \"m\"\nkind = \"azure\"\nurl = \"{}\"\napi_key = \"env:K\"\n",
+        mock.url()
+    );
+    let config = spillgate_core::config::load(&text, &|v| Some(format!("key-of-{v}")), &|_| {
+        Err("no files".into())
+    })
+    .unwrap();
+    let gw = start(App::new(config).unwrap()).await.unwrap();
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    for key in ["key-of-TEAM_A", "key-of-TEAM_B", "key-of-TEAM_A"] {
+        let req = http::Request::post(format!(
+            "http://{}/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21",
+            gw.addr
+        ))
+        .header("api-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(CHAT.as_bytes())))
+        .unwrap();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.into_body().collect().await.unwrap();
+    }
+    let metrics = gw.app.metrics.render(&gw.app);
+    let tokens = |client: &str| -> f64 {
+        let prefix = format!("spillgate_tokens_total{{backend=\"m\",client=\"{client}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no series for {client}:\n{metrics}"))
+            .parse()
+            .unwrap()
+    };
+    let (a, b) = (tokens("TEAM_A"), tokens("TEAM_B"));
+    assert!(b > 0.0, "{metrics}");
+    assert_eq!(a, 2.0 * b, "same requests, twice as many from A");
+}
