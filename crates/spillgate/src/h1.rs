@@ -219,53 +219,65 @@ impl Conn {
         Ok(resp)
     }
 
-    /// Writes the head and then `body`, unless the backend answers first (a request too
-    /// large, say, answered without being read); on failure, how many bytes went.
+    /// Writes the head and then `body`, unless the backend refuses it first (a request too
+    /// large, say, answered with an error without being read); on failure, how many bytes
+    /// went.
     async fn write(&mut self, body: &[u8]) -> Result<Wrote, (usize, std::io::Error)> {
         let total = self.head.len() + body.len();
         let mut written = 0;
         poll_fn(|cx| loop {
-            if written == total {
-                return Pin::new(&mut self.io)
-                    .poll_flush(cx)
-                    .map_ok(|()| Wrote::All)
-                    .map_err(|e| (written, e));
-            }
-            let from_head = self.head.get(written..).unwrap_or_default();
-            let from_body = body
-                .get(written.saturating_sub(self.head.len())..)
-                .unwrap_or_default();
-            let bufs = [IoSlice::new(from_head), IoSlice::new(from_body)];
-            match Pin::new(&mut self.io).poll_write_vectored(cx, &bufs) {
-                Poll::Ready(Ok(0)) => {
-                    return Poll::Ready(Err((written, std::io::ErrorKind::WriteZero.into())))
+            // The error the write or the flush failed with; `None` while it waits.
+            let failed = if written == total {
+                // Over TLS, everything may be taken and still wait here to reach the socket.
+                match Pin::new(&mut self.io).poll_flush(cx) {
+                    Poll::Ready(Ok(())) => return Poll::Ready(Ok(Wrote::All)),
+                    Poll::Ready(Err(e)) => Some(e),
+                    Poll::Pending => None,
                 }
-                Poll::Ready(Ok(n)) => written += n,
-                // The backend may have answered, then closed.
-                Poll::Ready(Err(_)) if written > 0 && self.answered(cx) => {
-                    return Poll::Ready(Ok(Wrote::Answered))
+            } else {
+                let from_head = self.head.get(written..).unwrap_or_default();
+                let from_body = body
+                    .get(written.saturating_sub(self.head.len())..)
+                    .unwrap_or_default();
+                let bufs = [IoSlice::new(from_head), IoSlice::new(from_body)];
+                match Pin::new(&mut self.io).poll_write_vectored(cx, &bufs) {
+                    Poll::Ready(Ok(0)) => Some(std::io::ErrorKind::WriteZero.into()),
+                    Poll::Ready(Ok(n)) => {
+                        written += n;
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => Some(e),
+                    Poll::Pending => None,
                 }
-                Poll::Ready(Err(e)) => return Poll::Ready(Err((written, e))),
-                // Not taking more: it may have answered already (the read is polled too,
-                // so an answer wakes this).
-                Poll::Pending if self.answered(cx) => return Poll::Ready(Ok(Wrote::Answered)),
-                Poll::Pending => return Poll::Pending,
-            }
+            };
+            return match failed {
+                // Failed: the backend may have answered, then closed. Any answer is the
+                // response.
+                Some(_) if written > 0 && self.answered(cx, Answer::Any) => {
+                    Poll::Ready(Ok(Wrote::Answered))
+                }
+                Some(e) => Poll::Ready(Err((written, e))),
+                // Not taking more: it may have refused the request already (the read is
+                // polled too, so an answer wakes this). A success sent early is not: the
+                // backend reads the rest.
+                None if self.answered(cx, Answer::Refusal) => Poll::Ready(Ok(Wrote::Answered)),
+                None => Poll::Pending,
+            };
         })
         .await
     }
 
-    /// Reads what the backend sent and says whether a complete final response head is
-    /// there; registers `cx` for more when not.
-    fn answered(&mut self, cx: &mut Context<'_>) -> bool {
+    /// Reads what the backend sent and says whether a complete final response head of
+    /// the `wanted` kind is there; registers `cx` for more when not.
+    fn answered(&mut self, cx: &mut Context<'_>, wanted: Answer) -> bool {
         loop {
             match self.poll_fill(cx) {
                 Poll::Ready(Ok(n)) if n > 0 && self.buf.len() < MAX_HEAD => {
-                    if final_head_in(&self.buf) {
+                    if final_head_in(&self.buf, wanted) {
                         return true;
                     }
                 }
-                _ => return final_head_in(&self.buf),
+                _ => return final_head_in(&self.buf, wanted),
             }
         }
     }
@@ -279,10 +291,19 @@ enum Wrote {
     Answered,
 }
 
-/// Whether `buf` starts with a complete final (not 1xx) response head, after any
-/// informational ones; also true for a head that cannot be parsed, for the read that
-/// follows to report.
-fn final_head_in(buf: &[u8]) -> bool {
+/// Which early answers end the writing of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// An error status (400 and up): the backend does not want the rest.
+    Refusal,
+    /// Any final status (the backend stopped reading).
+    Any,
+}
+
+/// Whether `buf` starts with a complete final (not 1xx) response head of the `wanted`
+/// kind, after any informational ones; also true for a head that cannot be parsed, for
+/// the read that follows to report.
+fn final_head_in(buf: &[u8], wanted: Answer) -> bool {
     let mut at = 0;
     loop {
         let mut parsed = [const { MaybeUninit::uninit() }; MAX_HEADERS];
@@ -294,7 +315,8 @@ fn final_head_in(buf: &[u8]) -> bool {
         ) {
             Ok(httparse::Status::Complete(len)) => match resp.code {
                 Some(code) if (100..200).contains(&code) && code != 101 => at += len,
-                _ => return true,
+                Some(code) => return wanted == Answer::Any || code >= 400,
+                None => return true,
             },
             Ok(httparse::Status::Partial) => return false,
             Err(_) => return true,
@@ -1014,6 +1036,94 @@ mod tests {
             back.take().is_none(),
             "the rest of the request was never sent"
         );
+    }
+
+    /// Takes every write and never finishes a flush, as a TLS stream whose records wait
+    /// for the socket does.
+    struct HeldFlush(DuplexStream);
+
+    impl AsyncRead for HeldFlush {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.0).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for HeldFlush {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            Pin::new(&mut self.0).poll_write(cx, buf)
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Pending
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refusal_is_seen_while_the_request_waits_to_be_flushed() {
+        let (a, mut server) = tokio::io::duplex(1 << 20);
+        let conn = Conn::new(Box::new(HeldFlush(a)));
+        server
+            .write_all(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        let send = conn.send(post("{}"), None, Back::default());
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
+            .await
+            .expect("the answer was not seen while flushing")
+            .unwrap();
+        assert_eq!(resp.status(), 401);
+    }
+
+    #[tokio::test]
+    async fn a_success_sent_early_does_not_cut_the_request_short() {
+        let (a, mut server) = tokio::io::duplex(1024);
+        let conn = Conn::new(Box::new(a));
+        server
+            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        // The backend reads the whole request after answering.
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            let whole = |got: &[u8]| {
+                memchr::memmem::find(got, b"\r\n\r\n")
+                    .is_some_and(|end| got.len() == end + 4 + 64 * 1024)
+            };
+            while !whole(&got) {
+                let n = server.read(&mut buf).await.unwrap();
+                assert!(n > 0);
+                got.extend_from_slice(&buf[..n]);
+            }
+            (got.len(), server)
+        });
+        let req = http::Request::post("http://b/v1/embeddings")
+            .body(Full::new(Bytes::from(vec![b'x'; 64 * 1024])))
+            .unwrap();
+        let back = Back::default();
+        let send = conn.send(req, None, back.clone());
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(read_all(resp.into_body()).await.unwrap(), "ok");
+        let (len, _server) = tokio::time::timeout(std::time::Duration::from_secs(10), reader)
+            .await
+            .expect("the request was cut short")
+            .unwrap();
+        assert!(len > 64 * 1024, "the whole request went: {len}");
+        assert!(back.take().is_some(), "written whole: reused");
     }
 
     #[tokio::test]
