@@ -3,7 +3,7 @@
 # smoke run and the end-to-end tests with the official OpenAI SDK.
 #
 # Works on a fresh Debian machine with Rust installed: missing system packages
-# (redis-server, python3-venv) are installed with apt-get, the Python tools go
+# (redis-server, chromium, openssl, python3-venv) are installed with apt-get, the Python tools go
 # into .venv. Exits non-zero on the first failure.
 set -euo pipefail
 
@@ -74,6 +74,11 @@ if ! command -v chromium >/dev/null 2>&1; then
     apt_install chromium
 fi
 echo "chromium: $(command -v chromium)"
+# The TLS tests (a rediss:// Redis, an HTTPS backend) make their certificates with it.
+if ! command -v openssl >/dev/null 2>&1; then
+    echo "openssl not found; installing it"
+    apt_install openssl
+fi
 if ! command -v python3 >/dev/null 2>&1; then
     echo "python3 not found; installing it"
     apt_install python3 python3-venv

@@ -13,6 +13,8 @@
 # table: requests counted, user-space instructions per request (per 100-chunk stream for
 # SSE), and the ratio to nginx. Kernel time (the TCP path both pay) is not counted.
 set -euo pipefail
+# Relative to where the script was called from, not to the repository it moves to.
+KEEP=${KEEP:+$(realpath -m "$KEEP")}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 

@@ -32,8 +32,6 @@ pub struct BackendRt {
     pub cfg: BackendConfig,
     pub scheme: Scheme,
     pub authority: Authority,
-    /// The `Host` header for this backend, built once.
-    pub host: Option<HeaderValue>,
     /// The base URL's path without a trailing slash (`""` for Azure, `/v1` for OpenAI).
     pub base_path: String,
     /// The credential header this backend expects, marked sensitive so it is never
@@ -143,7 +141,6 @@ impl BackendRt {
             .authority()
             .cloned()
             .with_context(|| format!("backend {}: url has no host", cfg.name))?;
-        let host = crate::upstream::host_header(&scheme, &authority);
         let base_path = uri.path().trim_end_matches('/').to_string();
         let credential = match &cfg.api_key {
             None => None,
@@ -175,7 +172,6 @@ impl BackendRt {
             cfg,
             scheme,
             authority,
-            host,
             base_path,
             credential,
             entra,

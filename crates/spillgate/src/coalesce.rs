@@ -1,13 +1,13 @@
 //! Joins the chunks of a response body that are already there into one frame.
 //!
-//! hyper's client hands an upstream body over one chunk at a time: its connection task
-//! decodes a chunk, passes it through a one-slot channel and waits for it to be taken
-//! before decoding the next. Forwarded frame by frame, an SSE stream whose 100 chunks
-//! arrived in one read from the backend cost 100 writes to the client (100 syscalls,
-//! 100 wakeups of the reader) where a plain proxy writes what it read in one go. Here,
-//! after a chunk, the body gives the connection task scheduler turns to hand over the
-//! next; as long as chunks keep coming that way they are gathered, and the gathered bytes
-//! go out as soon as two turns in a row bring nothing. A stream whose chunks are spaced in time
+//! An upstream body gives one chunk per frame. Forwarded frame by frame, an SSE stream
+//! whose 100 chunks arrived in one read from the backend cost 100 writes to the client
+//! (100 syscalls, 100 wakeups of the reader) where a plain proxy writes what it read in
+//! one go. Here the chunks a body gives at once are gathered: an HTTP/1.1 body
+//! ([`crate::h1`]) decodes the chunks it has read in one poll. hyper's HTTP/2 bodies hand
+//! chunks over from their connection task through a channel, one per turn of the
+//! scheduler, so after a chunk the body also gives that task scheduler turns to hand over
+//! the next; the gathered bytes go out as soon as two turns in a row bring nothing. A stream whose chunks are spaced in time
 //! (every real model stream) is forwarded chunk by chunk as before, two scheduler turns
 //! later. The first chunk is not held at all: it usually arrives with the response head,
 //! and passed on at once it leaves with the head in one write (held, the head went out
@@ -24,9 +24,10 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 const MAX_GATHER: usize = 64 * 1024;
 /// Scheduler turns given to the upstream connection for one gathered frame.
 const MAX_TURNS: u32 = 256;
-/// Turns without a new chunk before the gathered bytes go out. hyper's connection task
-/// hands the next chunk over in the second turn after the last was taken (measured:
-/// with one turn nothing was ever gathered), so one empty turn is waited for.
+/// Turns without a new chunk before the gathered bytes go out. A hyper connection task
+/// hands the next chunk over in the second turn after the last was taken (measured with
+/// hyper's HTTP/1.1 client, which also worked that way: with one turn nothing was ever
+/// gathered), so one empty turn is waited for.
 const PATIENCE: u32 = 1;
 
 enum Held<E> {

@@ -51,7 +51,7 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
 pub struct Error(String);
 
 impl Error {
-    fn new(what: impl Into<String>) -> Error {
+    pub fn new(what: impl Into<String>) -> Error {
         Error(what.into())
     }
     fn io(what: &str, e: &std::io::Error) -> Error {
@@ -87,18 +87,18 @@ pub struct Conn {
     room: usize,
     /// The request head being written (kept for the next request).
     head: Vec<u8>,
-    /// The backend closed it, or sent what nobody asked for, while it was idle.
-    closed: bool,
+    /// `Host` for the requests that have none: the backend's, built once per connection.
+    host: Option<HeaderValue>,
 }
 
 impl Conn {
-    pub fn new(io: Box<dyn Io>) -> Conn {
+    pub fn new(io: Box<dyn Io>, host: Option<HeaderValue>) -> Conn {
         Conn {
             io,
             buf: BytesMut::new(),
             room: READ_ROOM,
             head: Vec::new(),
-            closed: false,
+            host,
         }
     }
 
@@ -106,17 +106,14 @@ impl Conn {
     /// bytes nobody asked for. Reads only what the runtime already knows is there, with
     /// no waker kept: a connection closed since it was last polled shows here.
     pub fn is_closed(&mut self) -> bool {
-        if !self.closed {
-            let mut cx = Context::from_waker(Waker::noop());
-            // Into a few bytes on the stack: an idle connection keeps no read buffer for
-            // this, and any byte at all means it cannot be used.
-            let mut probe = [0u8; 8];
-            let mut probe = tokio::io::ReadBuf::new(&mut probe);
-            self.closed = Pin::new(&mut self.io)
-                .poll_read(&mut cx, &mut probe)
-                .is_ready();
-        }
-        self.closed
+        let mut cx = Context::from_waker(Waker::noop());
+        // Into a few bytes on the stack: an idle connection keeps no read buffer for
+        // this, and any byte at all means it cannot be used.
+        let mut probe = [0u8; 8];
+        let mut probe = tokio::io::ReadBuf::new(&mut probe);
+        Pin::new(&mut self.io)
+            .poll_read(&mut cx, &mut probe)
+            .is_ready()
     }
 
     /// Reads what is there into the buffer (a new buffer when less than [`MIN_ROOM`] is
@@ -138,37 +135,37 @@ impl Conn {
         Poll::Ready(Ok(n))
     }
 
-    /// Sends `req` (absolute URI; its path and query go in the request line) and reads
-    /// the response head. `host` is sent as `Host` when the request has none. The
-    /// connection then belongs to the response body, which gives it to `release` at its
-    /// end if it can carry another request.
+    /// Sends `req` (absolute URI; its path and query go in the request line, and the
+    /// connection's `Host` when it has none) and reads the response head. The connection
+    /// then belongs to the response body, which gives it to `release` at its end if it
+    /// can carry another request.
     pub async fn send<R: Release>(
         mut self,
         req: http::Request<Full<Bytes>>,
-        host: Option<&HeaderValue>,
         release: R,
     ) -> Result<http::Response<Body<R>>, SendError> {
-        let body = full_bytes(req.body());
+        let (parts, body) = req.into_parts();
+        let body = full_bytes(body);
         self.head.clear();
-        encode_head(&mut self.head, &req, host, body.len());
+        encode_head(&mut self.head, &parts, self.host.as_ref(), body.len());
         let wrote = match self.write(&body).await {
             Ok(wrote) => wrote,
             Err((written, e)) => {
                 let e = Error::io("writing the request", &e);
                 return Err(if written == 0 {
+                    let req = http::Request::from_parts(parts, Full::new(body));
                     SendError::Unsent(Box::new(req), e)
                 } else {
                     SendError::Failed(e)
                 });
             }
         };
-        let is_head = req.method() == Method::HEAD;
-        drop(req);
+        let is_head = parts.method == Method::HEAD;
+        drop(parts);
         let head = loop {
             if let Some(head) = parse_head(&mut self.buf).map_err(SendError::Failed)? {
                 // 1xx (100 Continue, 103 Early Hints): the real answer follows.
-                if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS
-                {
+                if interim(head.status.as_u16()) {
                     continue;
                 }
                 break head;
@@ -195,21 +192,16 @@ impl Conn {
                 "the backend switched protocols, which the gateway never asks for",
             )));
         }
-        let (framing, mut keep_alive) = framing(is_head, head.status, head.version, &head.headers)
-            .map_err(SendError::Failed)?;
+        let mut headers = head.headers;
+        let (framing, keep_alive) =
+            framing(is_head, head.status, head.version, &mut headers).map_err(SendError::Failed)?;
         // Answered before taking the whole request: the rest of it is not sent, so the
         // connection cannot carry another.
-        keep_alive &= wrote == Wrote::All;
-        let mut headers = head.headers;
-        // With a coding, a length is not the body's (RFC 9112, 6.3): not passed on.
-        if headers.contains_key(header::TRANSFER_ENCODING) {
-            headers.remove(header::CONTENT_LENGTH);
-        }
+        let reusable = keep_alive && wrote == Wrote::All;
         let mut resp = http::Response::new(Body {
             conn: Some(self),
             framing,
-            keep_alive,
-            release: Some(release),
+            release: reusable.then_some(release),
             error: None,
         });
         *resp.status_mut() = head.status;
@@ -314,7 +306,7 @@ fn final_head_in(buf: &[u8], wanted: Answer) -> bool {
             &mut parsed,
         ) {
             Ok(httparse::Status::Complete(len)) => match resp.code {
-                Some(code) if (100..200).contains(&code) && code != 101 => at += len,
+                Some(code) if interim(code) => at += len,
                 Some(code) => return wanted == Answer::Any || code >= 400,
                 None => return true,
             },
@@ -324,12 +316,17 @@ fn final_head_in(buf: &[u8], wanted: Answer) -> bool {
     }
 }
 
-/// The data of a [`Full`] body (taken from a copy: `Full` gives its data only by polling).
-fn full_bytes(body: &Full<Bytes>) -> Bytes {
+/// An informational status the final answer follows (100 Continue, 103 Early Hints),
+/// unlike 101, which switches protocols.
+fn interim(code: u16) -> bool {
+    (100..200).contains(&code) && code != 101
+}
+
+/// The data of a [`Full`] body (which gives it only by polling; it is ready at once).
+fn full_bytes(mut body: Full<Bytes>) -> Bytes {
     use http_body::Body as _;
-    let mut copy = body.clone();
     let mut cx = Context::from_waker(Waker::noop());
-    match Pin::new(&mut copy).poll_frame(&mut cx) {
+    match Pin::new(&mut body).poll_frame(&mut cx) {
         Poll::Ready(Some(Ok(frame))) => frame.into_data().unwrap_or_default(),
         _ => Bytes::new(),
     }
@@ -339,24 +336,24 @@ fn full_bytes(body: &Full<Bytes>) -> Bytes {
 /// any `Transfer-Encoding`, are left out); a `GET` or `HEAD` without a body has none.
 fn encode_head(
     out: &mut Vec<u8>,
-    req: &http::Request<Full<Bytes>>,
+    req: &http::request::Parts,
     host: Option<&HeaderValue>,
     body_len: usize,
 ) {
-    out.extend_from_slice(req.method().as_str().as_bytes());
+    out.extend_from_slice(req.method.as_str().as_bytes());
     out.push(b' ');
-    let path = req.uri().path();
+    let path = req.uri.path();
     out.extend_from_slice(if path.starts_with('/') {
         path.as_bytes()
     } else {
         b"/"
     });
-    if let Some(query) = req.uri().query() {
+    if let Some(query) = req.uri.query() {
         out.push(b'?');
         out.extend_from_slice(query.as_bytes());
     }
     out.extend_from_slice(b" HTTP/1.1\r\n");
-    let headers = req.headers();
+    let headers = &req.headers;
     if let (Some(host), false) = (host, headers.contains_key(header::HOST)) {
         header_line(out, header::HOST.as_str(), host);
     }
@@ -365,9 +362,9 @@ fn encode_head(
             header_line(out, name.as_str(), value);
         }
     }
-    if body_len > 0 || !matches!(*req.method(), Method::GET | Method::HEAD) {
+    if body_len > 0 || !matches!(req.method, Method::GET | Method::HEAD) {
         out.extend_from_slice(b"content-length: ");
-        out.extend_from_slice(itoa(body_len, &mut [0; 20]));
+        out.extend_from_slice(itoa::Buffer::new().format(body_len).as_bytes());
         out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");
@@ -378,19 +375,6 @@ fn header_line(out: &mut Vec<u8>, name: &str, value: &HeaderValue) {
     out.extend_from_slice(b": ");
     out.extend_from_slice(value.as_bytes());
     out.extend_from_slice(b"\r\n");
-}
-
-/// `n` in decimal, written at the end of `buf`.
-fn itoa(mut n: usize, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[i..];
-        }
-    }
 }
 
 struct Head {
@@ -492,12 +476,13 @@ enum Chunk {
 }
 
 /// The framing of a response body (RFC 9112, section 6.3), and whether the connection
-/// can carry another request after it.
+/// can carry another request after it. A `Content-Length` beside a `Transfer-Encoding` is
+/// not the body's: it is taken out of `headers`.
 fn framing(
     is_head: bool,
     status: StatusCode,
     version: Version,
-    headers: &HeaderMap,
+    headers: &mut HeaderMap,
 ) -> Result<(Framing, bool), Error> {
     let mut keep_alive = version == Version::HTTP_11
         && !headers
@@ -511,11 +496,9 @@ fn framing(
     if te.peek().is_some() {
         let chunked = te.last().is_some_and(|v| last_token_is(v, "chunked"));
         // With a Content-Length too, the message is suspect: not reused.
-        keep_alive &= !headers.contains_key(header::CONTENT_LENGTH);
-        return Ok(if chunked && keep_alive {
-            (Framing::Chunked(Chunk::Size), true)
-        } else if chunked {
-            (Framing::Chunked(Chunk::Size), false)
+        keep_alive &= headers.remove(header::CONTENT_LENGTH).is_none();
+        return Ok(if chunked {
+            (Framing::Chunked(Chunk::Size), keep_alive)
         } else {
             (Framing::Close, false)
         });
@@ -569,7 +552,7 @@ pub trait Release: Send + Unpin + 'static {
 pub struct Body<R> {
     conn: Option<Conn>,
     framing: Framing,
-    keep_alive: bool,
+    /// Where the connection goes at the end; `None` when it cannot carry another request.
     release: Option<R>,
     /// Found by [`Body::settle`], for the next poll to report.
     error: Option<Error>,
@@ -578,22 +561,17 @@ pub struct Body<R> {
 /// What the read buffer gave.
 enum Step {
     Data(Bytes),
-    /// More bytes are needed.
+    /// More bytes are needed (or, when asked to stop at data, data is next).
     NeedMore,
-    /// At data, when asked to stop there.
-    AtData,
     /// The body has ended.
     End,
 }
 
-/// Up to `left` bytes of data off the front of `buf` (counted off `left`), or where it
-/// stands when `buf` is empty or `data` is false.
+/// Up to `left` bytes of data off the front of `buf` (counted off `left`); `NeedMore`
+/// when `buf` is empty or `data` is false.
 fn take_data(left: &mut u64, buf: &mut BytesMut, data: bool) -> Step {
-    if buf.is_empty() {
+    if buf.is_empty() || !data {
         return Step::NeedMore;
-    }
-    if !data {
-        return Step::AtData;
     }
     let n = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
     *left -= n as u64;
@@ -694,11 +672,9 @@ impl<R: Release> Body<R> {
     /// (nothing unread is left on it), else closes.
     fn finish(&mut self) {
         self.framing = Framing::Done;
-        if let Some(conn) = self.conn.take() {
-            if self.keep_alive && conn.buf.is_empty() {
-                if let Some(release) = self.release.take() {
-                    release.release(conn);
-                }
+        if let (Some(conn), Some(release)) = (self.conn.take(), self.release.take()) {
+            if conn.buf.is_empty() {
+                release.release(conn);
             }
         }
     }
@@ -721,28 +697,14 @@ fn chunk_size(line: &[u8]) -> Result<u64, Error> {
         .position(|b| !b.is_ascii_hexdigit())
         .unwrap_or(line.len());
     let rest = &line[digits..];
-    // Leading zeros do not count towards the 16 digits a u64 holds.
-    let zeros = line[..digits].iter().take_while(|&&b| b == b'0').count();
-    let (line, digits) = match digits - zeros {
-        0 if digits > 0 => (&line[digits - 1..], 1),
-        n => (&line[zeros..], n),
-    };
-    if digits == 0
-        || digits > 16
-        || !(rest.trim_ascii().is_empty() || rest.trim_ascii_start().starts_with(b";"))
-    {
-        return Err(Error::new("invalid chunk size"));
-    }
-    let mut size = 0u64;
-    for &b in &line[..digits] {
-        let d = match b {
-            b'0'..=b'9' => b - b'0',
-            b'a'..=b'f' => b - b'a' + 10,
-            _ => b - b'A' + 10,
-        };
-        size = (size << 4) | u64::from(d);
-    }
-    Ok(size)
+    let ends = rest.trim_ascii().is_empty() || rest.trim_ascii_start().starts_with(b";");
+    // Hex digits only (so no sign for `from_str_radix` to take); leading zeros are fine,
+    // more than a u64 holds is an error.
+    std::str::from_utf8(&line[..digits])
+        .ok()
+        .filter(|d| !d.is_empty() && ends)
+        .and_then(|d| u64::from_str_radix(d, 16).ok())
+        .ok_or_else(|| Error::new("invalid chunk size"))
 }
 
 impl<R: Release> http_body::Body for Body<R> {
@@ -771,7 +733,7 @@ impl<R: Release> http_body::Body for Body<R> {
                     this.finish();
                     return Poll::Ready(None);
                 }
-                Ok(Step::NeedMore | Step::AtData) => {}
+                Ok(Step::NeedMore) => {}
             }
             match std::task::ready!(conn.poll_fill(cx)) {
                 Ok(0) if this.framing == Framing::Close => this.framing = Framing::Done,
@@ -824,7 +786,8 @@ mod tests {
 
     fn pair() -> (Conn, DuplexStream) {
         let (a, b) = tokio::io::duplex(1 << 20);
-        (Conn::new(Box::new(a)), b)
+        let host = HeaderValue::from_static("backend.example:8080");
+        (Conn::new(Box::new(a), Some(host)), b)
     }
 
     fn post(body: &'static str) -> http::Request<Full<Bytes>> {
@@ -849,8 +812,20 @@ mod tests {
     ) -> (Result<http::Response<Body<Back>>, SendError>, Back) {
         server.write_all(response).await.unwrap();
         let back = Back::default();
-        let host = HeaderValue::from_static("backend.example:8080");
-        (conn.send(req, Some(&host), back.clone()).await, back)
+        (conn.send(req, back.clone()).await, back)
+    }
+
+    /// A new connection whose backend has already written `response`, sent a POST.
+    async fn respond(
+        response: &[u8],
+    ) -> (
+        Result<http::Response<Body<Back>>, SendError>,
+        Back,
+        DuplexStream,
+    ) {
+        let (conn, mut server) = pair();
+        let (resp, back) = exchange(conn, &mut server, post("{}"), response).await;
+        (resp, back, server)
     }
 
     async fn read_all(body: Body<Back>) -> Result<Bytes, Error> {
@@ -908,8 +883,7 @@ mod tests {
         chunked.extend_from_slice(&big);
         chunked.extend_from_slice(b"\r\n0\r\n\r\n");
         for response in [sized, chunked] {
-            let (conn, mut server) = pair();
-            let (resp, back) = exchange(conn, &mut server, post("{}"), &response).await;
+            let (resp, back, _server) = respond(&response).await;
             assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), big);
             let conn = back.take().expect("given back");
             assert!(conn.room > READ_ROOM, "reads that fill their room get more");
@@ -957,8 +931,7 @@ mod tests {
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
             b"HTTP/1.1 304 Not Modified\r\nContent-Length: 10\r\n\r\n",
         ] {
-            let (conn, mut server) = pair();
-            let (resp, back) = exchange(conn, &mut server, post("{}"), response).await;
+            let (resp, back, _server) = respond(response).await;
             let resp = resp.unwrap();
             assert!(http_body::Body::is_end_stream(resp.body()));
             assert!(back.take().is_some(), "given back before the body is read");
@@ -982,14 +955,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_chunked_stream_is_passed_on_chunk_by_chunk_as_it_comes() {
-        let (conn, mut server) = pair();
-        let (resp, back) = exchange(
-            conn,
-            &mut server,
-            post("{}"),
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
-        )
-        .await;
+        let (resp, back, mut server) = respond(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n").await;
         let mut body = resp.unwrap().into_body();
         for event in ["data: one\n\n", "data: two\n\n"] {
             server
@@ -1016,7 +982,7 @@ mod tests {
         // A pipe that takes 1 KiB, and a backend that answers a 64 KiB request at once
         // without reading it.
         let (a, mut server) = tokio::io::duplex(1024);
-        let conn = Conn::new(Box::new(a));
+        let conn = Conn::new(Box::new(a), None);
         server
             .write_all(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 413 Payload Too Large\r\nContent-Length: 4\r\n\r\nbig!")
             .await
@@ -1025,7 +991,7 @@ mod tests {
             .body(Full::new(Bytes::from(vec![b'x'; 64 * 1024])))
             .unwrap();
         let back = Back::default();
-        let send = conn.send(req, None, back.clone());
+        let send = conn.send(req, back.clone());
         let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
             .await
             .expect("the answer was not seen while writing")
@@ -1071,12 +1037,12 @@ mod tests {
     #[tokio::test]
     async fn a_refusal_is_seen_while_the_request_waits_to_be_flushed() {
         let (a, mut server) = tokio::io::duplex(1 << 20);
-        let conn = Conn::new(Box::new(HeldFlush(a)));
+        let conn = Conn::new(Box::new(HeldFlush(a)), None);
         server
             .write_all(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
             .await
             .unwrap();
-        let send = conn.send(post("{}"), None, Back::default());
+        let send = conn.send(post("{}"), Back::default());
         let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
             .await
             .expect("the answer was not seen while flushing")
@@ -1087,7 +1053,7 @@ mod tests {
     #[tokio::test]
     async fn a_success_sent_early_does_not_cut_the_request_short() {
         let (a, mut server) = tokio::io::duplex(1024);
-        let conn = Conn::new(Box::new(a));
+        let conn = Conn::new(Box::new(a), None);
         server
             .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
             .await
@@ -1105,37 +1071,30 @@ mod tests {
                 assert!(n > 0);
                 got.extend_from_slice(&buf[..n]);
             }
-            (got.len(), server)
+            server
         });
         let req = http::Request::post("http://b/v1/embeddings")
             .body(Full::new(Bytes::from(vec![b'x'; 64 * 1024])))
             .unwrap();
         let back = Back::default();
-        let send = conn.send(req, None, back.clone());
+        let send = conn.send(req, back.clone());
         let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
             .await
             .unwrap()
             .unwrap();
         assert_eq!(resp.status(), 200);
         assert_eq!(read_all(resp.into_body()).await.unwrap(), "ok");
-        let (len, _server) = tokio::time::timeout(std::time::Duration::from_secs(10), reader)
+        // The reader ends only once the whole request has come.
+        tokio::time::timeout(std::time::Duration::from_secs(10), reader)
             .await
             .expect("the request was cut short")
             .unwrap();
-        assert!(len > 64 * 1024, "the whole request went: {len}");
         assert!(back.take().is_some(), "written whole: reused");
     }
 
     #[tokio::test]
     async fn informational_responses_are_passed_over() {
-        let (conn, mut server) = pair();
-        let (resp, _) = exchange(
-            conn,
-            &mut server,
-            post("{}"),
-            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 1\r\n\r\nz",
-        )
-        .await;
+        let (resp, _, _server) = respond(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 1\r\n\r\nz").await;
         let resp = resp.unwrap();
         assert_eq!(resp.status(), 201);
         assert!(resp.headers().get("link").is_none());
@@ -1154,26 +1113,17 @@ mod tests {
             // Both a coding and a length.
             (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n2\r\nok\r\n0\r\n\r\n", "ok"),
         ] {
-            let (conn, mut server) = pair();
-            let (resp, back) = exchange(conn, &mut server, post("{}"), response).await;
+            let (resp, back, _server) = respond(response).await;
             assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), body);
             assert!(back.take().is_none(), "{}", String::from_utf8_lossy(response));
         }
         // The length beside a coding is not the body's: not passed on.
-        let (conn, mut server) = pair();
-        let (resp, _) = exchange(conn, &mut server, post("{}"), b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n").await;
+        let (resp, _, _server) = respond(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n").await;
         let resp = resp.unwrap();
         assert!(resp.headers().get(header::CONTENT_LENGTH).is_none());
         assert_eq!(read_all(resp.into_body()).await.unwrap(), "ok");
         // No length: the body ends when the backend closes.
-        let (conn, mut server) = pair();
-        let (resp, back) = exchange(
-            conn,
-            &mut server,
-            post("{}"),
-            b"HTTP/1.1 200 OK\r\n\r\nuntil",
-        )
-        .await;
+        let (resp, back, mut server) = respond(b"HTTP/1.1 200 OK\r\n\r\nuntil").await;
         let body = resp.unwrap().into_body();
         server.write_all(b" the end").await.unwrap();
         drop(server);
@@ -1187,8 +1137,7 @@ mod tests {
             &b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"[..],
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabcde\r\n",
         ] {
-            let (conn, mut server) = pair();
-            let (resp, back) = exchange(conn, &mut server, post("{}"), response).await;
+            let (resp, back, server) = respond(response).await;
             let body = resp.unwrap().into_body();
             drop(server);
             let e = read_all(body).await.unwrap_err();
@@ -1245,7 +1194,7 @@ mod tests {
             let (conn, mut server) = pair();
             server.write_all(response).await.unwrap();
             server.shutdown().await.unwrap();
-            let r = conn.send(post("{}"), None, Back::default()).await;
+            let r = conn.send(post("{}"), Back::default()).await;
             match r {
                 Err(SendError::Failed(e)) => assert!(e.to_string().contains(want), "{e} / {want}"),
                 other => panic!(
@@ -1256,30 +1205,22 @@ mod tests {
             }
         }
         // Equal repeated lengths are one length.
-        let (conn, mut server) = pair();
-        let (resp, _) = exchange(
-            conn,
-            &mut server,
-            post("{}"),
-            b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nContent-Length: 2\r\n\r\nok",
-        )
-        .await;
+        let (resp, _, _server) =
+            respond(b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nContent-Length: 2\r\n\r\nok")
+                .await;
         assert_eq!(read_all(resp.unwrap().into_body()).await.unwrap(), "ok");
     }
 
     #[tokio::test]
     async fn response_heads_have_limits() {
         let (conn, mut server) = pair();
-        let mut big = b"HTTP/1.1 200 OK\r\n".to_vec();
-        while big.len() <= MAX_HEAD {
-            big.extend_from_slice(b"x-filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n");
-        }
+        // One header line longer than the limit, never ended: it is the head's size that
+        // stops it, not its count of headers.
+        let mut big = b"HTTP/1.1 200 OK\r\nx-filler: ".to_vec();
+        big.resize(MAX_HEAD + 4096, b'a');
         let (resp, _) = exchange(conn, &mut server, post("{}"), &big).await;
         match resp {
-            Err(SendError::Failed(e)) => assert!(
-                e.to_string().contains("over 64 KiB") || e.to_string().contains("more than"),
-                "{e}"
-            ),
+            Err(SendError::Failed(e)) => assert!(e.to_string().contains("over 64 KiB"), "{e}"),
             _ => panic!("accepted"),
         }
         let (conn, mut server) = pair();
@@ -1301,14 +1242,14 @@ mod tests {
     async fn a_request_not_written_at_all_is_given_back_whole() {
         let (conn, server) = pair();
         drop(server);
-        match conn.send(post("{\"k\":2}"), None, Back::default()).await {
+        match conn.send(post("{\"k\":2}"), Back::default()).await {
             Err(SendError::Unsent(req, _)) => {
                 assert_eq!(
                     req.uri(),
                     "http://backend.example:8080/v1/chat/completions?x=1"
                 );
                 assert_eq!(req.headers()["x-request-id"], "r1");
-                assert_eq!(full_bytes(req.body()), "{\"k\":2}");
+                assert_eq!(full_bytes(req.into_body()), "{\"k\":2}");
             }
             other => panic!("{:?}", other.map(|r| r.status())),
         }
@@ -1318,7 +1259,7 @@ mod tests {
             let _ = received(&mut server).await;
             drop(server);
         });
-        match conn.send(post("{}"), None, Back::default()).await {
+        match conn.send(post("{}"), Back::default()).await {
             Err(SendError::Failed(e)) => assert!(e.to_string().contains("before answering"), "{e}"),
             other => panic!("{:?}", other.map(|r| r.status())),
         }
@@ -1386,7 +1327,6 @@ mod tests {
                         buf.extend_from_slice(&wire[fed..fed + n]);
                         fed += n;
                     }
-                    Step::AtData => unreachable!(),
                 }
             }
             proptest::prop_assert_eq!(data, chunks.concat());
@@ -1413,13 +1353,6 @@ mod tests {
             b"-1\r",
         ] {
             assert!(chunk_size(bad).is_err(), "{}", String::from_utf8_lossy(bad));
-        }
-    }
-
-    #[test]
-    fn numbers_in_decimal() {
-        for n in [0, 7, 10, 4096, usize::MAX] {
-            assert_eq!(itoa(n, &mut [0; 20]), n.to_string().as_bytes());
         }
     }
 }

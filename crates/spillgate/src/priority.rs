@@ -284,13 +284,7 @@ impl Usage {
 /// parsed; the rest of the document is skipped over, by [`sole_top_level_usage`] from the
 /// end, else by [`top_level_members`] from the start (this runs on every response).
 pub fn usage_total(json: &[u8]) -> Option<u64> {
-    let value = match sole_top_level_usage(json) {
-        Some(value) => value,
-        None => {
-            let [value] = top_level_members(json, [b"usage"]);
-            value?
-        }
-    };
+    let value = sole_top_level_usage(json).or_else(|| top_level_members(json, [b"usage"])[0])?;
     let mut de = serde_json::Deserializer::from_slice(value);
     Option::<Usage>::deserialize(&mut de).ok()??.total()
 }
@@ -298,11 +292,11 @@ pub fn usage_total(json: &[u8]) -> Option<u64> {
 /// When `"usage"` occurs once in `json`, as a key of the top-level object: the bytes from
 /// its value to the end of `json`. Told by a scan from the end of the document back to the
 /// key, which is short: models' answers put `usage` last (Azure) or nearly (OpenAI, before
-/// `service_tier` and `system_fingerprint`), and the forward scan read the whole answer
-/// (two thirds of this function's cost on a short chat answer). `None` when this cannot
+/// `service_tier` and `system_fingerprint`), where the forward scan reads the whole
+/// answer (measured: 400 instructions less per JSON request). `None` when this cannot
 /// tell: the caller then scans from the start.
 fn sole_top_level_usage(json: &[u8]) -> Option<&[u8]> {
-    const KEY: &[u8] = b"\"usage\"";
+    const KEY: &[u8] = USAGE_NAME;
     static FIRST: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
     static LAST: std::sync::LazyLock<memchr::memmem::FinderRev<'static>> =
@@ -328,9 +322,14 @@ fn sole_top_level_usage(json: &[u8]) -> Option<&[u8]> {
     if in_string || depth != 1 {
         return None;
     }
-    let rest = &json[after..];
-    let colon = rest.iter().position(|b| !b.is_ascii_whitespace())?;
-    (rest[colon] == b':').then(|| &rest[colon + 1..])
+    member_value(&json[after..])
+}
+
+/// After a string, what follows its `:` when it is a member's key (whitespace allowed
+/// before the colon); `None` when it is not.
+fn member_value(after_string: &[u8]) -> Option<&[u8]> {
+    let colon = after_string.iter().position(|b| !b.is_ascii_whitespace())?;
+    (after_string[colon] == b':').then(|| &after_string[colon + 1..])
 }
 
 /// Whether the byte at `i` is escaped: an odd number of backslashes right before it.
@@ -380,10 +379,10 @@ fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> b
                 };
                 i = end + 1;
                 if depth == 1 {
-                    let rest = json.get(i..)?;
-                    let after = rest.iter().position(|b| !b.is_ascii_whitespace())?;
-                    if rest[after] == b':' && !member(&json[start..end], rest.get(after + 1..)?) {
-                        return Some(());
+                    if let Some(value) = member_value(json.get(i..)?) {
+                        if !member(&json[start..end], value) {
+                            return Some(());
+                        }
                     }
                 }
                 continue;
@@ -536,7 +535,9 @@ impl<B> UsageTap<B> {
     }
 }
 
-/// What marks the one chunk of a stream worth parsing.
+/// The name of the `usage` member, as it is written in JSON.
+const USAGE_NAME: &[u8] = b"\"usage\"";
+/// What marks the one chunk of a stream worth parsing: [`USAGE_NAME`] as a key.
 const USAGE_KEY: &[u8] = b"\"usage\":";
 
 /// Whether `data` contains [`USAGE_KEY`]. The searcher is built once: `memmem::find`

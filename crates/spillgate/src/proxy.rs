@@ -79,8 +79,9 @@ fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
 /// credentials, cookies, `Host` and framing headers (the client recomputes those).
 fn forward_headers(client: &HeaderMap) -> HeaderMap {
     let tokens = connection_tokens(client);
-    // Room for `Host` and a credential, added to each attempt's copy.
-    let mut out = HeaderMap::with_capacity(client.len() + 2);
+    // Room for the credential each attempt's copy adds (the index table keeps it in the
+    // copy; `Host` is the upstream connection's).
+    let mut out = HeaderMap::with_capacity(client.len() + 1);
     for (name, value) in client {
         let n = name.as_str();
         if is_hop_by_hop(name, &tokens)
@@ -110,9 +111,10 @@ const CLIENT_ONLY_HEADERS: [&str; 5] = [
 /// Backend response headers that are the backend account's business, not the client's.
 const BACKEND_ONLY_HEADERS: [&str; 3] = ["openai-organization", "openai-project", "set-cookie"];
 
-/// The backend's response headers as they go to the client, filtered in place (most
-/// responses have nothing to take out, and building a new map hashed every name again).
-/// `extra` is room for the headers the gateway adds.
+/// The backend's response headers as they go to the client, filtered in place: the
+/// headers kept are neither copied nor hashed again, as they were when a new map was
+/// built (removals move the last header into the gap, so the order may change). `extra`
+/// is room for the headers the gateway adds.
 fn response_headers(mut headers: HeaderMap, extra: usize) -> HeaderMap {
     let tokens = connection_tokens(&headers);
     let mut unwanted: Vec<HeaderName> = Vec::new();
@@ -1633,9 +1635,6 @@ fn build_upstream_request(
     let mut builder = http::Request::builder().method(ctx.method.clone()).uri(uri);
     if let Some(h) = builder.headers_mut() {
         h.clone_from(&ctx.headers);
-        if let Some(host) = &backend.host {
-            h.insert(header::HOST, host.clone());
-        }
         match bearer {
             Some(t) => {
                 h.insert(header::AUTHORIZATION, t.header().clone());

@@ -204,18 +204,14 @@ impl Inner {
             None => Box::pin(self.connect(pool, &origin)).await?,
         };
         match send_on(conn, req, pool, &origin).await {
-            Ok(resp) => Ok(resp),
             // A pooled connection the backend closed (or sent GOAWAY on) just as it was
-            // taken: hyper gave the request back unwritten, so it goes once more, on a new
+            // taken: the request came back unwritten, so it goes once more, on a new
             // connection. A request that may have been written is never sent again.
-            Err(Sent::Not(req, _)) if reused => {
+            Err(h1::SendError::Unsent(req, _)) if reused => {
                 let conn = Box::pin(self.connect(pool, &origin)).await?;
-                match send_on(conn, *req, pool, &origin).await {
-                    Ok(resp) => Ok(resp),
-                    Err(Sent::Not(_, e) | Sent::Failed(e)) => Err(AttemptError::Request(e)),
-                }
+                Ok(send_on(conn, *req, pool, &origin).await?)
             }
-            Err(Sent::Not(_, e) | Sent::Failed(e)) => Err(AttemptError::Request(e)),
+            sent => Ok(sent?),
         }
     }
 
@@ -251,7 +247,8 @@ impl Inner {
             keep_reaped(pool, guard);
             Ok(Conn::H2(h2))
         } else {
-            Ok(Conn::H1(h1::Conn::new(Box::new(TokioIo::new(io)))))
+            let host = host_header(&origin.scheme, &origin.authority);
+            Ok(Conn::H1(h1::Conn::new(Box::new(TokioIo::new(io)), host)))
         }
     }
 }
@@ -271,67 +268,53 @@ where
     })
 }
 
-/// Why a request on a connection got no response.
-enum Sent {
-    /// Given back unwritten by hyper, as it came (absolute URI, `Host` as it was).
-    Not(Box<http::Request<Full<Bytes>>>, String),
-    /// Failed, possibly after being written.
-    Failed(String),
+impl From<h1::SendError> for AttemptError {
+    fn from(e: h1::SendError) -> AttemptError {
+        match e {
+            h1::SendError::Unsent(_, e) | h1::SendError::Failed(e) => {
+                AttemptError::Request(e.to_string())
+            }
+        }
+    }
 }
 
-/// Sends `req` (with its absolute URI) on `conn`: over HTTP/1.1 in origin form with a
-/// `Host` header, the connection going back to `pool` when the response body ends; over
-/// HTTP/2 with the authority in the URI and no `Host`.
+/// Sends `req` (with its absolute URI) on `conn`: over HTTP/1.1 in origin form with the
+/// connection's `Host`, the connection going back to `pool` when the response body ends;
+/// over HTTP/2 with the authority in the URI and no `Host`. A request given back
+/// unwritten (by `h1` or hyper) comes back as it came.
 async fn send_on(
     conn: Conn<H1, H2>,
     mut req: http::Request<Full<Bytes>>,
     pool: &SharedPool,
     origin: &Origin,
-) -> Result<http::Response<Body>, Sent> {
+) -> Result<http::Response<Body>, h1::SendError> {
     match conn {
         Conn::H1(h1) => {
-            let host = match req.headers().contains_key(header::HOST) {
-                true => None,
-                false => host_header(&origin.scheme, &origin.authority),
-            };
             let give_back = GiveBack {
                 pool: Arc::downgrade(pool),
                 origin: origin.clone(),
             };
-            match h1.send(req, host.as_ref(), give_back).await {
-                Ok(resp) => Ok(resp.map(Body::new)),
-                Err(h1::SendError::Unsent(req, e)) => Err(Sent::Not(req, e.to_string())),
-                Err(h1::SendError::Failed(e)) => Err(Sent::Failed(e.to_string())),
-            }
+            Ok(h1.send(req, give_back).await?.map(Body::new))
         }
         Conn::H2(mut h2) => {
             // HTTP/2 carries the authority in the request's `:authority`, from its URI.
             let host = req.headers_mut().remove(header::HOST);
             match h2.try_send_request(req).await {
                 Ok(resp) => Ok(resp.map(Body::new)),
-                Err(e) => Err(unsent(e, |req| {
-                    if let Some(host) = host {
-                        req.headers_mut().insert(header::HOST, host);
-                    }
-                })),
+                Err(mut e) => {
+                    let error = h1::Error::new(error_chain(e.error()));
+                    Err(match e.take_message() {
+                        Some(mut req) => {
+                            if let Some(host) = host {
+                                req.headers_mut().insert(header::HOST, host);
+                            }
+                            h1::SendError::Unsent(Box::new(req), error)
+                        }
+                        None => h1::SendError::Failed(error),
+                    })
+                }
             }
         }
-    }
-}
-
-/// What a failed send means: the request hyper gave back unwritten, `restore`d to how it
-/// came, or a failure after which it is not sent again.
-fn unsent(
-    mut e: hyper::client::conn::TrySendError<http::Request<Full<Bytes>>>,
-    restore: impl FnOnce(&mut http::Request<Full<Bytes>>),
-) -> Sent {
-    let error = error_chain(e.error());
-    match e.take_message() {
-        Some(mut req) => {
-            restore(&mut req);
-            Sent::Not(Box::new(req), error)
-        }
-        None => Sent::Failed(error),
     }
 }
 
@@ -346,26 +329,17 @@ fn lock<A, B>(pool: &Mutex<Pool<A, B>>) -> MutexGuard<'_, Pool<A, B>> {
 trait Reusable {
     /// The connection is gone (closed by either side, or failed).
     fn is_closed(&mut self) -> bool;
-    /// The connection can take a request now.
-    fn is_ready(&self) -> bool;
 }
 
 impl Reusable for H1 {
     fn is_closed(&mut self) -> bool {
         h1::Conn::is_closed(self)
     }
-    /// Kept only between exchanges: always ready.
-    fn is_ready(&self) -> bool {
-        true
-    }
 }
 
 impl Reusable for H2 {
     fn is_closed(&mut self) -> bool {
         http2::SendRequest::is_closed(self)
-    }
-    fn is_ready(&self) -> bool {
-        http2::SendRequest::is_ready(self)
     }
 }
 
@@ -447,16 +421,12 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
             }
             idle.h2 = None;
         }
-        let mut i = idle.h1.len();
-        while i > 0 {
-            i -= 1;
-            let (c, since) = &mut idle.h1[i];
-            if stale(c, *since, now) {
-                idle.h1.remove(i);
-            } else if c.is_ready() {
-                return Some(Conn::H1(idle.h1.remove(i).0));
+        // An HTTP/1.1 connection is kept only between exchanges: the newest that is not
+        // stale.
+        while let Some((mut c, since)) = idle.h1.pop() {
+            if !stale(&mut c, since, now) {
+                return Some(Conn::H1(c));
             }
-            // Not ready yet (its last response is still finishing): left for later.
         }
         None
     }
@@ -564,6 +534,10 @@ where
     A: Reusable + Send + 'static,
     B: Reusable + Clone + Send + 'static,
 {
+    // Most calls find a reaper running: no runtime lookup for them.
+    if guard.reaping {
+        return;
+    }
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
@@ -705,10 +679,17 @@ mod tests {
         (port, seen)
     }
 
-    use hyper_util::rt::TokioIo;
-
     async fn body_of(resp: http::Response<Body>) -> Bytes {
         resp.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    /// The body of a POST to `path` on the backend at `port`, which must answer.
+    async fn answer(c: &UpstreamClient, port: u16, path: &str) -> Bytes {
+        let resp = c
+            .send(post(&format!("http://127.0.0.1:{port}{path}")), LONG)
+            .await
+            .unwrap();
+        body_of(resp).await
     }
 
     #[tokio::test]
@@ -785,11 +766,7 @@ mod tests {
         let c = client();
         drop(stalled(&c, port).await);
         assert_eq!(idle_h1(&c, port), 0);
-        let resp = c
-            .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
-            .await
-            .unwrap();
-        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(answer(&c, port, "/").await, "ok");
         assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
     }
 
@@ -817,11 +794,7 @@ mod tests {
         let (port, accepted) = closing_backend();
         let c = client();
         for _ in 0..10 {
-            let resp = c
-                .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
-                .await
-                .unwrap();
-            assert_eq!(body_of(resp).await, "ok");
+            assert_eq!(answer(&c, port, "/").await, "ok");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 10);
     }
@@ -834,11 +807,12 @@ mod tests {
         let (a, b) = tokio::join!(c.send(post(&url), LONG), c.send(post(&url), LONG));
         assert_eq!(body_of(a.unwrap()).await, "ok");
         assert_eq!(body_of(b.unwrap()).await, "ok");
-        let resp = c.send(post(&url), LONG).await.unwrap();
-        assert_eq!(body_of(resp).await, "ok");
-        // The first two raced to connect; the third went over a kept connection.
+        // The first two raced to connect; the third goes over a kept connection.
         let accepted = seen.accepted.load(Ordering::SeqCst);
         assert!((1..=2).contains(&accepted), "{accepted} connections");
+        let resp = c.send(post(&url), LONG).await.unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(seen.accepted.load(Ordering::SeqCst), accepted);
         let reqs = seen.requests.lock().unwrap().clone();
         assert_eq!(reqs.len(), 3);
         for (uri, host) in reqs {
@@ -871,11 +845,7 @@ mod tests {
         let (port, seen) = backend(false).await;
         let c = client();
         let stalled = stalled(&c, port).await;
-        let resp = c
-            .send(post(&format!("http://127.0.0.1:{port}/")), LONG)
-            .await
-            .unwrap();
-        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(answer(&c, port, "/").await, "ok");
         assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
         drop(stalled);
     }
@@ -974,7 +944,6 @@ mod tests {
     struct Fake {
         id: usize,
         closed: Arc<AtomicBool>,
-        busy: Arc<AtomicBool>,
     }
 
     impl Fake {
@@ -990,9 +959,6 @@ mod tests {
         fn is_closed(&mut self) -> bool {
             self.closed.load(Ordering::SeqCst)
         }
-        fn is_ready(&self) -> bool {
-            !self.busy.load(Ordering::SeqCst)
-        }
     }
 
     fn taken_h1(t: Option<Conn<Fake, Fake>>) -> Option<usize> {
@@ -1004,7 +970,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_pool_gives_the_newest_ready_connection_and_drops_dead_ones() {
+    async fn the_pool_gives_the_newest_connection_and_drops_dead_ones() {
         let mut pool: Pool<Fake, Fake> = Pool::default();
         let o = origin(1);
         let now = Instant::now();
@@ -1012,14 +978,12 @@ mod tests {
         pool.put(&o, a.clone(), now);
         pool.put(&o, b.clone(), now);
         pool.put(&o, c.clone(), now);
-        c.busy.store(true, Ordering::SeqCst);
         b.closed.store(true, Ordering::SeqCst);
-        // c is not ready yet (kept), b is closed (dropped): a.
-        assert_eq!(taken_h1(pool.take(&o, now)), Some(1));
-        assert_eq!(pool.idle_h1(&o), 1);
-        assert_eq!(taken_h1(pool.take(&o, now)), None);
-        c.busy.store(false, Ordering::SeqCst);
+        // The newest, c; then b is closed (dropped on the way): a.
         assert_eq!(taken_h1(pool.take(&o, now)), Some(3));
+        assert_eq!(taken_h1(pool.take(&o, now)), Some(1));
+        assert_eq!(pool.idle_h1(&o), 0);
+        assert_eq!(taken_h1(pool.take(&o, now)), None);
         assert_eq!(taken_h1(pool.take(&origin(2), now)), None);
         // A closed connection is not kept at all.
         pool.put(&o, b, now);

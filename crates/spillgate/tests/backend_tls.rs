@@ -23,14 +23,24 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use spillgate_mock::{free_port, test_certificates, MockBackend, MockConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::{crypto::ring, ServerConfig};
 
+/// What the TLS server saw: connections accepted, and of those whose first bytes came,
+/// how many began with HTTP/2's preface.
+#[derive(Default)]
+struct Seen {
+    accepted: AtomicUsize,
+    http2: AtomicUsize,
+    http1: AtomicUsize,
+}
+
 /// A TLS server on loopback offering only `alpn`, passing each connection's bytes to
-/// `to`; with the number of connections it accepted.
-async fn tls_front(dir: &Path, alpn: &[u8], to: SocketAddr) -> (u16, Arc<AtomicUsize>) {
+/// `to`.
+async fn tls_front(dir: &Path, alpn: &[u8], to: SocketAddr) -> (u16, Arc<Seen>) {
     let certs = CertificateDer::pem_file_iter(dir.join("server.crt"))
         .unwrap()
         .collect::<Result<Vec<_>, _>>()
@@ -46,15 +56,16 @@ async fn tls_front(dir: &Path, alpn: &[u8], to: SocketAddr) -> (u16, Arc<AtomicU
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&accepted);
+    let seen = Arc::new(Seen::default());
+    let counter = Arc::clone(&seen);
     tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = listener.accept().await else {
                 return;
             };
-            counter.fetch_add(1, Ordering::SeqCst);
+            counter.accepted.fetch_add(1, Ordering::SeqCst);
             let acceptor = acceptor.clone();
+            let seen = Arc::clone(&counter);
             tokio::spawn(async move {
                 let Ok(mut tls) = acceptor.accept(tcp).await else {
                     return;
@@ -62,11 +73,26 @@ async fn tls_front(dir: &Path, alpn: &[u8], to: SocketAddr) -> (u16, Arc<AtomicU
                 let Ok(mut backend) = TcpStream::connect(to).await else {
                     return;
                 };
+                // Which protocol the gateway speaks: HTTP/2 begins with its preface (24
+                // bytes; an HTTP/1.1 request line and headers are longer).
+                let mut first = [0u8; 24];
+                if tls.read_exact(&mut first).await.is_err() {
+                    return;
+                }
+                let counted = if &first == b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" {
+                    &seen.http2
+                } else {
+                    &seen.http1
+                };
+                counted.fetch_add(1, Ordering::SeqCst);
+                if backend.write_all(&first).await.is_err() {
+                    return;
+                }
                 let _ = tokio::io::copy_bidirectional(&mut tls, &mut backend).await;
             });
         }
     });
-    (port, accepted)
+    (port, seen)
 }
 
 const CHAT: &str = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
@@ -103,7 +129,7 @@ async fn https_backends_over_http1_and_http2_keep_their_connections() {
     let mock = MockBackend::start(MockConfig::named("m")).await.unwrap();
     let client = Client::builder(hyper_util::rt::TokioExecutor::new()).build_http::<Full<Bytes>>();
     for alpn in [&b"http/1.1"[..], b"h2"] {
-        let (port, accepted) = tls_front(&dir, alpn, mock.addr()).await;
+        let (port, seen) = tls_front(&dir, alpn, mock.addr()).await;
         let text = format!(
             "[server]\nlisten = \"127.0.0.1:0\"\n[auth]\nmode = \"none\"\n[admin]\nenabled = false\n\
              [[backends]]\nname = \"m\"\nkind = \"azure\"\nurl = \"https://127.0.0.1:{port}\"\napi_key = \"env:K\"\n"
@@ -126,14 +152,23 @@ async fn https_backends_over_http1_and_http2_keep_their_connections() {
         assert!(body.trim_end().ends_with("data: [DONE]"), "{what}: {body}");
         assert!(body.matches("data: ").count() > 3, "{what}: {body}");
         // One request at a time: one connection, kept.
-        assert_eq!(accepted.load(Ordering::SeqCst), 1, "{what}");
+        assert_eq!(seen.accepted.load(Ordering::SeqCst), 1, "{what}");
         let many = (0..6).map(|_| post(&client, gw.addr, CHAT));
         for (status, body) in futures_util::future::join_all(many).await {
             assert_eq!(status, 200, "{what}: {body}");
         }
+        // The protocol spoken is the one the backend picked, on every connection.
+        let (h2, h1) = (
+            seen.http2.load(Ordering::SeqCst),
+            seen.http1.load(Ordering::SeqCst),
+        );
         if alpn == b"h2" {
             // HTTP/2 carries requests at once on the one connection.
-            assert_eq!(accepted.load(Ordering::SeqCst), 1, "{what}");
+            assert_eq!(seen.accepted.load(Ordering::SeqCst), 1, "{what}");
+            assert_eq!((h2, h1), (1, 0), "{what}");
+        } else {
+            assert_eq!(h2, 0, "{what}");
+            assert_eq!(h1, seen.accepted.load(Ordering::SeqCst), "{what}");
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
