@@ -6,6 +6,7 @@
 #   DURATION=3 bench/overhead.sh # shorter
 #   SMOKE=1 bench/overhead.sh    # a few seconds, one case of each part, debug build
 #                                # (what ./test.sh runs, so the script cannot rot)
+#   ONLY=streams bench/overhead.sh  # the stream measurements only (first event, RSS)
 #
 # Installs wrk and nginx with apt-get when missing. Prints markdown tables:
 # - requests/s, p50 / p99 / p99.9 latency, p99 added over direct, throughput relative
@@ -88,6 +89,7 @@ LATENCIES=(0 50)
 BODIES=(json sse)
 CONNS=(64 512)
 if [[ -n ${SMOKE:-} ]]; then LATENCIES=(0); BODIES=(json); CONNS=(64); fi
+if [[ ${ONLY:-} == streams ]]; then LATENCIES=(); fi
 
 for lat in "${LATENCIES[@]}"; do
     start_mock "$lat"; mport=$PORT; wait_port "$mport"

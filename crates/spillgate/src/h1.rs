@@ -33,7 +33,7 @@ const MAX_HEAD: usize = 64 * 1024;
 /// Room taken for reads at first, and again when a read buffer runs low. A chat answer's
 /// head and body fit; a larger body doubles it read by read. (8 KiB, hyper's size, cost
 /// 14 MB more at 5,000 open streams.)
-const READ_ROOM: usize = 4 * 1024;
+pub(crate) const READ_ROOM: usize = 4 * 1024;
 /// Largest room taken for one read, reached while reads fill what they are given.
 const MAX_READ_ROOM: usize = 64 * 1024;
 /// Below this much room, a new read buffer is taken before reading.
@@ -119,20 +119,7 @@ impl Conn {
     /// Reads what is there into the buffer (a new buffer when less than [`MIN_ROOM`] is
     /// left); `Ok(0)` at the end of the stream.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
-        if self.buf.capacity() - self.buf.len() < MIN_ROOM {
-            self.buf.reserve(self.room);
-        }
-        let room = self.buf.capacity() - self.buf.len();
-        let n = std::task::ready!(tokio_util::io::poll_read_buf(
-            Pin::new(&mut self.io),
-            cx,
-            &mut self.buf
-        ))?;
-        // A read that filled all its room: the next buffer gets more, up to a limit.
-        if n >= room && self.room < MAX_READ_ROOM {
-            self.room *= 2;
-        }
-        Poll::Ready(Ok(n))
+        poll_fill(&mut self.io, &mut self.buf, &mut self.room, cx)
     }
 
     /// Sends `req` (absolute URI; its path and query go in the request line, and the
@@ -275,6 +262,26 @@ impl Conn {
     }
 }
 
+/// Reads what `io` has into `buf` (a new buffer of `room` bytes when less than
+/// [`MIN_ROOM`] is left; `room` doubles, up to a limit, while reads fill it); `Ok(0)` at
+/// the end of the stream.
+pub(crate) fn poll_fill<R: AsyncRead + Unpin>(
+    io: &mut R,
+    buf: &mut BytesMut,
+    room: &mut usize,
+    cx: &mut Context<'_>,
+) -> Poll<std::io::Result<usize>> {
+    if buf.capacity() - buf.len() < MIN_ROOM {
+        buf.reserve(*room);
+    }
+    let space = buf.capacity() - buf.len();
+    let n = std::task::ready!(tokio_util::io::poll_read_buf(Pin::new(io), cx, buf))?;
+    if n >= space && *room < MAX_READ_ROOM {
+        *room *= 2;
+    }
+    Poll::Ready(Ok(n))
+}
+
 /// How writing a request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wrote {
@@ -370,7 +377,7 @@ fn encode_head(
     out.extend_from_slice(b"\r\n");
 }
 
-fn header_line(out: &mut Vec<u8>, name: &str, value: &HeaderValue) {
+pub(crate) fn header_line(out: &mut Vec<u8>, name: &str, value: &HeaderValue) {
     out.extend_from_slice(name.as_bytes());
     out.extend_from_slice(b": ");
     out.extend_from_slice(value.as_bytes());
@@ -418,31 +425,12 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
     };
     // Where each name and value lies in the head, to cut the values from it once it is
     // taken off the buffer.
-    let start = buf.as_ptr() as usize;
-    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let mut spans = [Span::default(); MAX_HEADERS];
     let count = resp.headers.len();
-    for (span, h) in spans.iter_mut().zip(resp.headers.iter()) {
-        let name = h.name.as_ptr() as usize - start;
-        let value = h.value.as_ptr() as usize - start;
-        // Offsets within a head of at most MAX_HEAD bytes.
-        *span = (
-            name as u32,
-            h.name.len() as u32,
-            value as u32,
-            h.value.len() as u32,
-        );
-    }
+    record_spans(buf, resp.headers, &mut spans);
     let head = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(count);
-    for &(n, nl, v, vl) in &spans[..count] {
-        let name = head
-            .get(n as usize..(n + nl) as usize)
-            .and_then(|n| HeaderName::from_bytes(n).ok())
-            .ok_or_else(|| Error::new("invalid header name in the response"))?;
-        let value = HeaderValue::from_maybe_shared(head.slice(v as usize..(v + vl) as usize))
-            .map_err(|_| Error::new(format!("invalid value of response header {name}")))?;
-        headers.append(name, value);
-    }
+    let headers = header_map(&head, &spans[..count])
+        .map_err(|why| Error::new(format!("{why} in the response")))?;
     Ok(Some(Head {
         status,
         version,
@@ -450,9 +438,61 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
     }))
 }
 
+/// Where a part of a head lies in it: offset and length. Heads are far shorter than
+/// 4 GiB (their limits are at most 1 MiB).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Part(u32, u32);
+
+impl Part {
+    /// Where `part`, a slice of `head`, lies in it.
+    pub(crate) fn of(head: &[u8], part: &[u8]) -> Part {
+        Part(
+            (part.as_ptr() as usize - head.as_ptr() as usize) as u32,
+            part.len() as u32,
+        )
+    }
+
+    pub(crate) fn range(self) -> std::ops::Range<usize> {
+        self.0 as usize..(self.0 + self.1) as usize
+    }
+}
+
+/// Where a header's name and value lie in its head.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Span {
+    name: Part,
+    value: Part,
+}
+
+/// Records where each of `parsed` (slices of `head`) lies in it, in `spans`.
+pub(crate) fn record_spans(head: &[u8], parsed: &[httparse::Header<'_>], spans: &mut [Span]) {
+    for (span, h) in spans.iter_mut().zip(parsed) {
+        *span = Span {
+            name: Part::of(head, h.name.as_bytes()),
+            value: Part::of(head, h.value),
+        };
+    }
+}
+
+/// The headers at `spans` of `head`; their values share its bytes. The error says what
+/// was wrong, naming no value.
+pub(crate) fn header_map(head: &Bytes, spans: &[Span]) -> Result<HeaderMap, String> {
+    let mut headers = HeaderMap::with_capacity(spans.len());
+    for span in spans {
+        let name = head
+            .get(span.name.range())
+            .and_then(|n| HeaderName::from_bytes(n).ok())
+            .ok_or_else(|| "invalid header name".to_string())?;
+        let value = HeaderValue::from_maybe_shared(head.slice(span.value.range()))
+            .map_err(|_| format!("invalid value of header {name}"))?;
+        headers.append(name, value);
+    }
+    Ok(headers)
+}
+
 /// How a response body ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
+pub(crate) enum Framing {
     /// This many bytes are left.
     Length(u64),
     /// Chunked, at this point of the encoding.
@@ -464,7 +504,7 @@ enum Framing {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Chunk {
+pub(crate) enum Chunk {
     /// At a chunk-size line.
     Size,
     /// This many bytes of chunk data are left.
@@ -503,6 +543,18 @@ fn framing(
             (Framing::Close, false)
         });
     }
+    let length =
+        content_length(headers).map_err(|why| Error::new(format!("{why} in the response")))?;
+    Ok(match length {
+        Some(0) => (Framing::Done, keep_alive),
+        Some(n) => (Framing::Length(n), keep_alive),
+        None => (Framing::Close, false),
+    })
+}
+
+/// The body length `Content-Length` gives, if any. Repeated equal values (`5, 5`, or the
+/// header twice) are one length; unequal or malformed ones are an error.
+pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
     let mut length = None;
     for v in headers.get_all(header::CONTENT_LENGTH) {
         for part in v.as_bytes().split(|&b| b == b',') {
@@ -511,29 +563,23 @@ fn framing(
                 .map(str::trim)
                 .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
                 .and_then(|s| s.parse::<u64>().ok())
-                .ok_or_else(|| Error::new("invalid content-length in the response"))?;
+                .ok_or("invalid content-length")?;
             if length.is_some_and(|l| l != n) {
-                return Err(Error::new(
-                    "conflicting content-length values in the response",
-                ));
+                return Err("conflicting content-length values");
             }
             length = Some(n);
         }
     }
-    Ok(match length {
-        Some(0) => (Framing::Done, keep_alive),
-        Some(n) => (Framing::Length(n), keep_alive),
-        None => (Framing::Close, false),
-    })
+    Ok(length)
 }
 
-fn has_token(v: &HeaderValue, token: &str) -> bool {
+pub(crate) fn has_token(v: &HeaderValue, token: &str) -> bool {
     v.as_bytes()
         .split(|&b| b == b',')
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
 }
 
-fn last_token_is(v: &HeaderValue, token: &str) -> bool {
+pub(crate) fn last_token_is(v: &HeaderValue, token: &str) -> bool {
     v.as_bytes()
         .rsplit(|&b| b == b',')
         .next()
@@ -559,7 +605,7 @@ pub struct Body<R> {
 }
 
 /// What the read buffer gave.
-enum Step {
+pub(crate) enum Step {
     Data(Bytes),
     /// More bytes are needed (or, when asked to stop at data, data is next).
     NeedMore,
@@ -579,7 +625,7 @@ fn take_data(left: &mut u64, buf: &mut BytesMut, data: bool) -> Step {
 }
 
 /// Decodes `buf` up to the next data (taken off it, unless `data` is false) or the end.
-fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step, Error> {
+pub(crate) fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step, Error> {
     loop {
         match framing {
             Framing::Done => return Ok(Step::End),

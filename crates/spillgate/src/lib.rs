@@ -12,6 +12,7 @@ pub mod coalesce;
 pub mod demo;
 pub mod entra;
 pub mod errors;
+pub mod front;
 pub mod h1;
 pub mod health;
 pub mod idle;

@@ -1,8 +1,8 @@
-//! The public listener: HTTP/1.1 with bounded header size and count, `/healthz`,
-//! `/readyz`, and everything else to the proxy.
+//! The public listener: HTTP/1.1 (see [`crate::front`]) with bounded header size and
+//! count, `/healthz`, `/readyz`, and everything else to the proxy.
 //!
 //! The accept loop is written out (rather than `axum::serve`) because it is where the
-//! header limits are set and where a shutdown signal stops accepting.
+//! connection limit is kept and where a shutdown signal stops accepting.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -19,11 +19,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use http::StatusCode;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{mpsc, watch, Semaphore};
 
 use crate::app::App;
 
@@ -242,22 +239,21 @@ pub async fn start_on(
     let (stop, stopped) = watch::channel(false);
     crate::health::spawn(&app);
     app.start_store();
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .max_buf_size(server_cfg.max_header_bytes)
-        .max_headers(server_cfg.max_headers)
-        .header_read_timeout(header_timeout)
-        .keep_alive(true);
+    // Each connection holds a sender: the drain ends when the last one is gone.
+    let (live, mut drained) = mpsc::channel::<()>(1);
     let accept = Accept {
-        http,
+        limits: crate::front::Limits {
+            max_head: server_cfg.max_header_bytes,
+            max_headers: server_cfg.max_headers,
+            header_timeout,
+        },
         service: router(Arc::clone(&app)),
-        graceful: Arc::new(GracefulShutdown::new()),
+        live,
         // Each connection holds a permit: past the limit, new connections wait (see
         // `Accept::run`) instead of exhausting memory and file descriptors.
         permits: Arc::new(Semaphore::new(server_cfg.max_connections)),
         stopped,
     };
-    let graceful = Arc::clone(&accept.graceful);
     let mut loops = Vec::new();
     for (i, listener) in listeners.into_iter().enumerate() {
         let accept = accept.clone();
@@ -286,12 +282,9 @@ pub async fn start_on(
             drain_timeout_ms = server_cfg.drain_timeout.as_millis() as u64,
             "draining in-flight requests"
         );
-        // Every loop has ended, so this is the last reference.
-        let Ok(graceful) = Arc::try_unwrap(graceful) else {
-            tracing::warn!("an accept loop is still running; closing without a drain");
-            return;
-        };
-        if tokio::time::timeout(server_cfg.drain_timeout, graceful.shutdown())
+        // Every loop has ended (dropping its sender): what is left are the connections'.
+        // Idle ones close at once; the others after the response in progress.
+        if tokio::time::timeout(server_cfg.drain_timeout, drained.recv())
             .await
             .is_err()
         {
@@ -333,9 +326,10 @@ fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpL
 /// What each accept loop shares.
 #[derive(Clone)]
 struct Accept {
-    http: hyper::server::conn::http1::Builder,
+    limits: crate::front::Limits,
     service: Gateway,
-    graceful: Arc<GracefulShutdown>,
+    /// Held by each connection until it ends.
+    live: mpsc::Sender<()>,
     permits: Arc<Semaphore>,
     stopped: watch::Receiver<bool>,
 }
@@ -371,15 +365,18 @@ impl Accept {
                 _ = self.stopped.changed() => break,
             };
             let _ = stream.set_nodelay(true);
-            let service = TowerToHyperService::new(self.service.clone());
-            let conn = self.http.serve_connection(TokioIo::new(stream), service);
+            let conn = crate::front::serve(
+                stream,
+                self.service.clone(),
+                self.limits,
+                self.stopped.clone(),
+            );
+            let live = self.live.clone();
             // A combinator rather than an `async` block: the task holds the connection
             // once (a block also kept what it was built from), for as long as it is open.
-            tokio::spawn(self.graceful.watcher().watch(conn).map(move |r| {
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "client connection ended with an error");
-                }
+            tokio::spawn(conn.map(move |()| {
                 drop(permit);
+                drop(live);
             }));
         }
     }

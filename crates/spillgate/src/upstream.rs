@@ -772,29 +772,41 @@ mod tests {
 
     /// A backend that answers one request per connection and closes it right after,
     /// without saying so (no `Connection: close`), as an idle timeout on its side would.
-    fn closing_backend() -> (u16, Arc<AtomicUsize>) {
+    /// A backend that answers one request per connection, then closes it without saying
+    /// so; each close is reported on the channel once done.
+    fn closing_backend() -> (
+        u16,
+        Arc<AtomicUsize>,
+        tokio::sync::mpsc::UnboundedReceiver<()>,
+    ) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let accepted = Arc::new(AtomicUsize::new(0));
         let counter = Arc::clone(&accepted);
+        let (closed, closes) = tokio::sync::mpsc::unbounded_channel();
         std::thread::spawn(move || {
             while let Ok((mut s, _)) = listener.accept() {
                 counter.fetch_add(1, Ordering::SeqCst);
                 if read_request(&mut s) {
                     let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
                 }
-                // Dropped: closed.
+                drop(s);
+                let _ = closed.send(());
             }
         });
-        (port, accepted)
+        (port, accepted, closes)
     }
 
     #[tokio::test]
     async fn connections_the_backend_closed_are_not_used_again() {
-        let (port, accepted) = closing_backend();
+        let (port, accepted, mut closes) = closing_backend();
         let c = client();
         for _ in 0..10 {
             assert_eq!(answer(&c, port, "/").await, "ok");
+            // Closed before the next request (a close racing a request is another case:
+            // the request fails, as it would on any connection lost mid-request).
+            closes.recv().await.unwrap();
+            tokio::task::yield_now().await;
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 10);
     }

@@ -1,0 +1,1295 @@
+//! Client connections: HTTP/1.1 served straight off the socket.
+//!
+//! hyper's server connection kept an 8 KiB read buffer and an 8 KiB write buffer for as
+//! long as the connection was open, 80 MB of the gateway's memory at 5,000 open streams,
+//! and copied each response through its write buffer. Here a request head is parsed with
+//! httparse into a read buffer that is let go of once the request is read (an open stream
+//! holds none), header values share the head's bytes, and a response goes out in one
+//! `writev` of its head and first data.
+//!
+//! Each connection is one task: it reads a head, calls the service, and polls the
+//! service's future itself. The request body reads the same socket when the service
+//! polls it; once it has been read, the socket is watched for the client going away,
+//! which drops (and so cancels) the request in flight. Requests are answered in order;
+//! one sent before the previous answer (pipelined) waits in the buffer.
+//!
+//! What it does not do, because the gateway's clients never need it: upgrades, HTTP/2,
+//! or trailers (received ones are dropped; none are sent).
+
+use std::convert::Infallible;
+use std::future::{poll_fn, Future};
+use std::io::IoSlice;
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderMap, Method, StatusCode, Uri, Version};
+use http_body::{Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::errors::GatewayError;
+use crate::h1::{self, Chunk, Framing, Part, Span, Step};
+
+/// What a client may send, and how long it has.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest request head (request line and headers), in bytes.
+    pub max_head: usize,
+    /// Most header lines in a request head.
+    pub max_headers: usize,
+    /// Time a client has for a whole request head, from when the connection is ready
+    /// for one (opened, or done with the previous request): an idle connection closes
+    /// after it.
+    pub header_timeout: Duration,
+}
+
+/// Header slots for the most `server.max_headers` allows.
+const HEADER_SLOTS: usize = 1000;
+/// Heads with up to this many headers note where they lie on the stack.
+const SMALL_HEAD: usize = 64;
+/// Bytes read at a time while a request is served and the read buffer is empty: enough
+/// to see the client close, or the start of its next request.
+const PROBE: usize = 512;
+/// How long a closing connection reads what the client still sends, and how much.
+const LINGER: Duration = Duration::from_secs(1);
+const LINGER_BYTES: usize = 256 * 1024;
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// The read side of a connection, shared by the connection and the body of the request
+/// being served (both are polled by the connection's task, one after the other).
+struct Input {
+    io: OwnedReadHalf,
+    /// Bytes read and not yet used.
+    buf: BytesMut,
+    /// Room the next new read buffer gets.
+    room: usize,
+    /// How far the buffer was searched for the end of a head.
+    scanned: usize,
+    /// The request body's framing; `Done` once it has been read (or when there is none).
+    body: Framing,
+    /// False once a request body failed or was cut short: the connection cannot carry
+    /// another request.
+    intact: bool,
+}
+
+type Shared = Arc<Mutex<Input>>;
+
+/// The read side. Never held across an await, nor while the other side runs; a panic
+/// while it was held has already ended the connection's task.
+fn lock(shared: &Shared) -> MutexGuard<'_, Input> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Input {
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+        h1::poll_fill(&mut self.io, &mut self.buf, &mut self.room, cx)
+    }
+
+    /// Whether the client went away (closed its side, or the connection failed) while its
+    /// request is served. Only once the request body has been read: before, the bytes are
+    /// the body's. What arrives meanwhile (a next request) is kept, up to `cap` bytes, past
+    /// which the socket is not watched.
+    fn poll_gone(&mut self, cx: &mut Context<'_>, cap: usize) -> bool {
+        if self.body != Framing::Done || !self.intact {
+            return false;
+        }
+        // An empty buffer is let go of: an open stream holds no read buffer.
+        if self.buf.is_empty() && self.buf.capacity() > 0 {
+            self.buf = BytesMut::new();
+        }
+        while self.buf.len() < cap {
+            let mut probe = [0u8; PROBE];
+            let mut probe = tokio::io::ReadBuf::new(&mut probe);
+            match Pin::new(&mut self.io).poll_read(cx, &mut probe) {
+                Poll::Ready(Ok(())) if probe.filled().is_empty() => return true,
+                Poll::Ready(Ok(())) => self.buf.extend_from_slice(probe.filled()),
+                Poll::Ready(Err(_)) => return true,
+                Poll::Pending => return false,
+            }
+        }
+        false
+    }
+
+    /// Whether the buffer may hold a whole head: it has an empty line (a head ends with
+    /// one). Searches only what was not searched before, so a head that trickles in is
+    /// not parsed again for every byte.
+    fn may_hold_head(&mut self) -> bool {
+        let from = self.scanned.saturating_sub(2);
+        self.scanned = self.buf.len();
+        let buf = &self.buf[..];
+        memchr::memchr_iter(b'\n', &buf[from..]).any(|i| {
+            let rest = &buf[from + i + 1..];
+            rest.starts_with(b"\n") || rest.starts_with(b"\r\n")
+        })
+    }
+}
+
+/// A request's body, read from its connection as the service polls it.
+pub struct RequestBody {
+    /// `None` once the body has ended (or when there is none).
+    input: Option<Shared>,
+    hint: SizeHint,
+}
+
+impl http_body::Body for RequestBody {
+    type Data = Bytes;
+    type Error = h1::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h1::Error>>> {
+        let Some(shared) = self.input.as_ref() else {
+            return Poll::Ready(None);
+        };
+        let mut input = lock(shared);
+        let ended = loop {
+            let Input { buf, body, .. } = &mut *input;
+            match h1::decode(body, buf, true) {
+                Ok(Step::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(Step::End) => break None,
+                Ok(Step::NeedMore) => {}
+                Err(e) => break Some(e),
+            }
+            match std::task::ready!(input.poll_fill(cx)) {
+                Ok(0) => {
+                    break Some(h1::Error::new(
+                        "the client closed the connection before the end of the request body",
+                    ))
+                }
+                Ok(_) => {}
+                Err(e) => break Some(h1::Error::new(format!("reading the request body: {e}"))),
+            }
+        };
+        if ended.is_some() {
+            input.intact = false;
+        }
+        drop(input);
+        self.input = None;
+        Poll::Ready(ended.map(Err))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.input
+            .as_ref()
+            .is_none_or(|s| lock(s).body == Framing::Done)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.hint
+    }
+}
+
+/// A request head taken off the read buffer.
+struct Head {
+    method: Method,
+    uri: Uri,
+    version: Version,
+    headers: HeaderMap,
+}
+
+/// Takes a complete request head off the front of `buf`, or returns `None` when it is
+/// not all there yet. A head over the limits is refused with 431, a malformed one with
+/// 400.
+fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, GatewayError> {
+    let too_large = |what: String| {
+        GatewayError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "invalid_request_error",
+            "request_head_too_large",
+            what,
+        )
+    };
+    let mut slots = [const { MaybeUninit::uninit() }; HEADER_SLOTS];
+    let slots = &mut slots[..limits.max_headers.min(HEADER_SLOTS)];
+    let mut req = httparse::Request::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut req, buf, slots,
+    ) {
+        Ok(httparse::Status::Complete(len)) if len <= limits.max_head => len,
+        Ok(httparse::Status::Partial) if buf.len() <= limits.max_head => return Ok(None),
+        Ok(_) => {
+            return Err(too_large(format!(
+                "The request head is larger than this gateway's limit of {} bytes (server.max_header_bytes).",
+                limits.max_head
+            )))
+        }
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(too_large(format!(
+                "The request has more headers than this gateway's limit of {} (server.max_headers).",
+                limits.max_headers
+            )))
+        }
+        Err(e) => {
+            return Err(GatewayError::bad_request(
+                "invalid_request_head",
+                format!("The request head could not be parsed: {e}."),
+            ))
+        }
+    };
+    let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
+        .map_err(|_| GatewayError::bad_request("invalid_request_head", "Invalid method."))?;
+    let version = match req.version {
+        Some(0) => Version::HTTP_10,
+        _ => Version::HTTP_11,
+    };
+    let path = Part::of(buf, req.path.unwrap_or_default().as_bytes());
+    // Where each header lies, to cut the values from the head once it is taken off the
+    // buffer.
+    let count = req.headers.len();
+    let mut small = [Span::default(); SMALL_HEAD];
+    let mut large = Vec::new();
+    let spans = if count <= SMALL_HEAD {
+        &mut small[..count]
+    } else {
+        large.resize(count, Span::default());
+        &mut large[..]
+    };
+    h1::record_spans(buf, req.headers, spans);
+    let head = buf.split_to(len).freeze();
+    let uri = Uri::from_maybe_shared(head.slice(path.range())).map_err(|_| {
+        GatewayError::bad_request("invalid_request_head", "Invalid request target.")
+    })?;
+    let headers = h1::header_map(&head, spans).map_err(|why| {
+        GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
+    })?;
+    Ok(Some(Head {
+        method,
+        uri,
+        version,
+        headers,
+    }))
+}
+
+/// The framing of a request body (RFC 9112, section 6.3), and whether the connection can
+/// carry another request after it. A `Content-Length` beside a `Transfer-Encoding` is
+/// not the body's: it is taken out of `headers`, and the connection closes after.
+fn request_framing(
+    version: Version,
+    headers: &mut HeaderMap,
+) -> Result<(Framing, bool), GatewayError> {
+    let connection = |token| {
+        headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| h1::has_token(v, token))
+    };
+    let mut keep_alive = match version {
+        Version::HTTP_10 => connection("keep-alive"),
+        _ => !connection("close"),
+    };
+    let bad = |message: &str| GatewayError::bad_request("invalid_request_framing", message);
+    let mut te = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
+    if te.peek().is_some() {
+        if !te.last().is_some_and(|v| h1::last_token_is(v, "chunked")) {
+            return Err(bad(
+                "A request with Transfer-Encoding must end it with `chunked`.",
+            ));
+        }
+        keep_alive &= headers.remove(header::CONTENT_LENGTH).is_none();
+        return Ok((Framing::Chunked(Chunk::Size), keep_alive));
+    }
+    match h1::content_length(headers) {
+        Ok(None | Some(0)) => Ok((Framing::Done, keep_alive)),
+        Ok(Some(n)) => Ok((Framing::Length(n), keep_alive)),
+        Err(why) => Err(bad(&format!("The request has an {why}."))),
+    }
+}
+
+/// How the connection's wait for a head ended.
+enum Next {
+    Head(Head),
+    /// Closed by the client, idle too long, or the gateway is stopping: closes quietly.
+    End,
+    /// Answered with this error, then closed.
+    Refused(GatewayError),
+}
+
+/// Serves `stream` until the client closes it, a request says to, or `stopped` turns
+/// true (the request in progress is answered first).
+pub async fn serve<S, B>(
+    stream: TcpStream,
+    mut service: S,
+    limits: Limits,
+    mut stopped: watch::Receiver<bool>,
+) where
+    S: tower::Service<http::Request<RequestBody>, Response = http::Response<B>, Error = Infallible>,
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let (io, mut out) = stream.into_split();
+    let shared = Arc::new(Mutex::new(Input {
+        io,
+        buf: BytesMut::new(),
+        room: h1::READ_ROOM,
+        scanned: 0,
+        body: Framing::Done,
+        intact: true,
+    }));
+    // One wait for the stop signal and one timer for the connection's whole life.
+    let stop_signal = {
+        let mut stopped = stopped.clone();
+        async move {
+            // A sender dropped without a stop is no stop.
+            if stopped.wait_for(|s| *s).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    let mut stop_signal = std::pin::pin!(stop_signal);
+    let mut timer = std::pin::pin!(tokio::time::sleep(limits.header_timeout));
+    loop {
+        timer
+            .as_mut()
+            .reset(tokio::time::Instant::now() + limits.header_timeout);
+        let next = poll_fn(|cx| {
+            if stop_signal.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Next::End);
+            }
+            let mut input = lock(&shared);
+            loop {
+                if input.may_hold_head() || input.buf.len() > limits.max_head {
+                    input.scanned = 0;
+                    match parse_head(&mut input.buf, &limits) {
+                        Ok(Some(head)) => return Poll::Ready(Next::Head(head)),
+                        Ok(None) => input.scanned = input.buf.len(),
+                        Err(e) => return Poll::Ready(Next::Refused(e)),
+                    }
+                }
+                match input.poll_fill(cx) {
+                    Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(Next::End),
+                    Poll::Ready(Ok(_)) => {}
+                    Poll::Pending => break,
+                }
+            }
+            if timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            // Part of a head and no more: told so. An idle connection just closes.
+            Poll::Ready(if input.buf.is_empty() {
+                Next::End
+            } else {
+                Next::Refused(GatewayError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    "request_head_timeout",
+                    format!(
+                        "The request head did not arrive within {} ms (timeouts.client_header).",
+                        limits.header_timeout.as_millis()
+                    ),
+                ))
+            })
+        })
+        .await;
+        let head = match next {
+            Next::Head(head) => head,
+            Next::End => return,
+            Next::Refused(e) => {
+                tracing::debug!(status = e.status.as_u16(), code = e.code, "request refused");
+                let resp = e.into_response();
+                let _ = respond(
+                    &mut out,
+                    &shared,
+                    resp,
+                    (&Method::GET, Version::HTTP_11),
+                    false,
+                    &limits,
+                )
+                .await;
+                return close(out, &shared).await;
+            }
+        };
+        let Head {
+            method,
+            uri,
+            version,
+            mut headers,
+        } = head;
+        let (framing, keep_alive) = match request_framing(version, &mut headers) {
+            Ok(f) => f,
+            Err(e) => {
+                let resp = e.into_response();
+                let _ = respond(&mut out, &shared, resp, (&method, version), false, &limits).await;
+                return close(out, &shared).await;
+            }
+        };
+        let hint = match framing {
+            Framing::Length(n) => SizeHint::with_exact(n),
+            Framing::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        };
+        let expects_continue = version == Version::HTTP_11
+            && headers
+                .get(header::EXPECT)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        let body_waits = {
+            let mut input = lock(&shared);
+            input.body = framing;
+            framing != Framing::Done && input.buf.is_empty()
+        };
+        // A client that waits to be asked for its body is asked at once: the gateway
+        // reads every body it is sent.
+        if expects_continue && body_waits && out.write_all(CONTINUE).await.is_err() {
+            return;
+        }
+        let body = RequestBody {
+            input: (framing != Framing::Done).then(|| Arc::clone(&shared)),
+            hint,
+        };
+        let mut req = http::Request::new(body);
+        *req.method_mut() = method.clone();
+        *req.uri_mut() = uri;
+        *req.version_mut() = version;
+        *req.headers_mut() = headers;
+        let answered = {
+            // Dropped once it has answered: it is done, and a response that streams for
+            // minutes would keep its memory.
+            let mut call = std::pin::pin!(service.call(req));
+            poll_fn(|cx| {
+                if let Poll::Ready(Ok(resp)) = call.as_mut().poll(cx) {
+                    return Poll::Ready(Some(resp));
+                }
+                if lock(&shared).poll_gone(cx, limits.max_head) {
+                    return Poll::Ready(None);
+                }
+                Poll::Pending
+            })
+            .await
+        };
+        // Gone: the request in flight is dropped with the connection.
+        let Some(resp) = answered else {
+            return;
+        };
+        let keep_alive = keep_alive && !*stopped.borrow_and_update();
+        match respond(
+            &mut out,
+            &shared,
+            resp,
+            (&method, version),
+            keep_alive,
+            &limits,
+        )
+        .await
+        {
+            Ok(true) => {}
+            Ok(false) => return close(out, &shared).await,
+            Err(e) => {
+                tracing::debug!(error = %e, "client connection ended with an error");
+                return;
+            }
+        }
+    }
+}
+
+/// Why a response did not go out whole.
+#[derive(Debug)]
+enum WriteError {
+    Io(std::io::Error),
+    /// The client went away while the body was awaited.
+    Gone,
+    /// The response body failed.
+    Body(String),
+    /// The response body had more or fewer bytes than its `Content-Length`.
+    Length,
+}
+
+impl std::fmt::Display for WriteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WriteError::Io(e) => write!(f, "writing the response: {e}"),
+            WriteError::Gone => f.write_str("the client went away during the response"),
+            WriteError::Body(e) => write!(f, "response body failed: {e}"),
+            WriteError::Length => f.write_str("response body length differs from its header"),
+        }
+    }
+}
+
+/// What the connection waiting on a response body saw.
+enum Event<F> {
+    Frame(Option<F>),
+    /// The body has nothing yet: the head goes out now.
+    Idle,
+    Gone,
+}
+
+/// Writes `resp` (to a request with `method` and `version`), and says whether the
+/// connection can carry another request: `keep_alive` is what the request allowed.
+async fn respond<B>(
+    out: &mut OwnedWriteHalf,
+    shared: &Shared,
+    resp: http::Response<B>,
+    (method, version): (&Method, Version),
+    keep_alive: bool,
+    limits: &Limits,
+) -> Result<bool, WriteError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let (parts, mut body) = resp.into_parts();
+    let status = parts.status;
+    let no_body = *method == Method::HEAD
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let declared = h1::content_length(&parts.headers).ok().flatten();
+    let unread = {
+        let input = lock(shared);
+        input.body != Framing::Done || !input.intact
+    };
+    let mut reusable = keep_alive
+        && !unread
+        && !parts
+            .headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| h1::has_token(v, "close"));
+    let mut framing = if no_body {
+        Framing::Done
+    } else if let Some(n) = declared.or(body.size_hint().exact()) {
+        Framing::Length(n)
+    } else if version == Version::HTTP_11 {
+        Framing::Chunked(Chunk::Size)
+    } else {
+        // Ends when the connection closes.
+        reusable = false;
+        Framing::Close
+    };
+    let mut head = Vec::with_capacity(256);
+    let connection: &[u8] = match (reusable, version) {
+        (false, _) => b"close",
+        (true, Version::HTTP_10) => b"keep-alive",
+        (true, _) => b"",
+    };
+    // A response to HEAD gives the length a GET would get.
+    let length = match framing {
+        Framing::Length(n) => Some(n),
+        _ if *method == Method::HEAD => declared.or(body.size_hint().exact()),
+        _ => None,
+    };
+    let chunked = matches!(framing, Framing::Chunked(_));
+    encode_head(&mut head, &parts, length, chunked, connection);
+    drop(parts);
+    let mut head = Some(head);
+    if framing == Framing::Done {
+        if let Some(h) = head.take() {
+            write_all(out, &mut [IoSlice::new(&h)]).await?;
+        }
+        return Ok(reusable);
+    }
+    loop {
+        let event = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
+            Poll::Ready(f) => Poll::Ready(Event::Frame(f)),
+            Poll::Pending if head.is_some() => Poll::Ready(Event::Idle),
+            Poll::Pending if lock(shared).poll_gone(cx, limits.max_head) => {
+                Poll::Ready(Event::Gone)
+            }
+            Poll::Pending => Poll::Pending,
+        })
+        .await;
+        let head_bytes = head.take();
+        let head_slice = head_bytes.as_deref().unwrap_or_default();
+        let data = match event {
+            Event::Idle => {
+                write_all(out, &mut [IoSlice::new(head_slice)]).await?;
+                continue;
+            }
+            Event::Gone => return Err(WriteError::Gone),
+            Event::Frame(Some(Err(e))) => return Err(WriteError::Body(e.to_string())),
+            Event::Frame(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => data,
+                // Trailers are not sent.
+                Err(_) => Bytes::new(),
+            },
+            Event::Frame(None) => {
+                // The end: the last chunk of a chunked body; a sized body must be whole.
+                let end: &[u8] = match framing {
+                    Framing::Chunked(_) => b"0\r\n\r\n",
+                    Framing::Length(n) if n > 0 => {
+                        write_all(out, &mut [IoSlice::new(head_slice)]).await?;
+                        return Err(WriteError::Length);
+                    }
+                    _ => b"",
+                };
+                write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(end)]).await?;
+                return Ok(reusable);
+            }
+        };
+        let ends = body.is_end_stream();
+        match &mut framing {
+            Framing::Length(left) => {
+                if data.len() as u64 > *left {
+                    return Err(WriteError::Length);
+                }
+                *left -= data.len() as u64;
+                write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(&data)]).await?;
+                if *left == 0 {
+                    // Whatever the body still has (trailers) is not sent.
+                    return Ok(reusable);
+                }
+                if ends {
+                    return Err(WriteError::Length);
+                }
+            }
+            Framing::Chunked(_) => {
+                let mut size = [0u8; 20];
+                let size = chunk_line(&mut size, data.len());
+                let (line, tail): (&[u8], &[u8]) = match (data.is_empty(), ends) {
+                    (true, false) => (b"", b""),
+                    (true, true) => (b"", b"0\r\n\r\n"),
+                    (false, false) => (size, b"\r\n"),
+                    (false, true) => (size, b"\r\n0\r\n\r\n"),
+                };
+                write_all(
+                    out,
+                    &mut [
+                        IoSlice::new(head_slice),
+                        IoSlice::new(line),
+                        IoSlice::new(&data),
+                        IoSlice::new(tail),
+                    ],
+                )
+                .await?;
+                if ends {
+                    return Ok(reusable);
+                }
+            }
+            _ => {
+                write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(&data)]).await?;
+                if ends {
+                    return Ok(reusable);
+                }
+            }
+        }
+    }
+}
+
+/// `n` in hex and CRLF, in `buf`.
+fn chunk_line(buf: &mut [u8; 20], n: usize) -> &[u8] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut at = 18;
+    let mut n = n;
+    buf[18] = b'\r';
+    buf[19] = b'\n';
+    loop {
+        at -= 1;
+        buf[at] = HEX[n & 15];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    &buf[at..]
+}
+
+/// The status line and headers. The framing headers are the connection's own
+/// (`content-length: length`, or chunked): any the response had are left out.
+fn encode_head(
+    out: &mut Vec<u8>,
+    parts: &http::response::Parts,
+    length: Option<u64>,
+    chunked: bool,
+    connection: &[u8],
+) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(parts.status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(
+        parts
+            .status
+            .canonical_reason()
+            .unwrap_or_default()
+            .as_bytes(),
+    );
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        let framing_header = *name == header::TRANSFER_ENCODING
+            || *name == header::CONNECTION
+            || *name == header::CONTENT_LENGTH;
+        if !framing_header {
+            h1::header_line(out, name.as_str(), value);
+        }
+    }
+    if !parts.headers.contains_key(header::DATE) {
+        out.extend_from_slice(b"date: ");
+        push_date(out);
+        out.extend_from_slice(b"\r\n");
+    }
+    if let Some(n) = length {
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if chunked {
+        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    if !connection.is_empty() {
+        out.extend_from_slice(b"connection: ");
+        out.extend_from_slice(connection);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends the current time as an HTTP date, formatted once a second per thread.
+fn push_date(out: &mut Vec<u8>) {
+    thread_local! {
+        static DATE: std::cell::RefCell<(u64, String)> =
+            const { std::cell::RefCell::new((u64::MAX, String::new())) };
+    }
+    let now = std::time::SystemTime::now();
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    DATE.with_borrow_mut(|(at, text)| {
+        if *at != secs {
+            *at = secs;
+            *text = httpdate::fmt_http_date(now);
+        }
+        out.extend_from_slice(text.as_bytes());
+    });
+}
+
+/// Writes all of `bufs`, in as few writes as the socket takes.
+async fn write_all(out: &mut OwnedWriteHalf, bufs: &mut [IoSlice<'_>]) -> Result<(), WriteError> {
+    let mut bufs = bufs;
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match out.write_vectored(bufs).await {
+            Ok(0) => return Err(WriteError::Io(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) => return Err(WriteError::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Closes the connection after its last response: the write side first, then what the
+/// client still sends is read and dropped for a moment (bounded in time and bytes), so
+/// that unread bytes do not make the kernel reset the connection before the client
+/// reads the answer.
+async fn close(mut out: OwnedWriteHalf, shared: &Shared) {
+    let _ = out.shutdown().await;
+    let mut read = 0;
+    let _ = tokio::time::timeout(
+        LINGER,
+        poll_fn(|cx| {
+            let mut input = lock(shared);
+            loop {
+                input.buf.clear();
+                match std::task::ready!(input.poll_fill(cx)) {
+                    Ok(n) if n > 0 && read < LINGER_BYTES => read += n,
+                    _ => return Poll::Ready(()),
+                }
+            }
+        }),
+    )
+    .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::combinators::BoxBody;
+    use http_body_util::{BodyExt, Full, StreamBody};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use tokio::io::AsyncReadExt;
+
+    type Resp = http::Response<BoxBody<Bytes, Infallible>>;
+
+    /// What the test service saw of the requests, and whether a pending one was dropped.
+    #[derive(Default)]
+    struct Seen {
+        calls: AtomicUsize,
+        dropped: AtomicBool,
+        headers: Mutex<Vec<HeaderMap>>,
+    }
+
+    struct DropFlag(Arc<Seen>);
+    impl Drop for DropFlag {
+        fn drop(&mut self) {
+            self.0.dropped.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn full(b: impl Into<Bytes>) -> BoxBody<Bytes, Infallible> {
+        Full::new(b.into()).boxed()
+    }
+
+    /// The test service, by path: `/pending` never answers; `/early` answers without
+    /// reading the body; `/empty` answers 204; `/stream` answers two chunks, its length
+    /// unknown; anything else answers the method, the target and the body (read whole),
+    /// or 400 with the body's error.
+    async fn service(seen: Arc<Seen>, req: http::Request<RequestBody>) -> Resp {
+        seen.calls.fetch_add(1, Ordering::SeqCst);
+        seen.headers.lock().unwrap().push(req.headers().clone());
+        let path = req.uri().path().to_string();
+        match path.as_str() {
+            "/pending" => {
+                let _flag = DropFlag(Arc::clone(&seen));
+                std::future::pending::<()>().await;
+                unreachable!()
+            }
+            "/early" => http::Response::new(full("early")),
+            "/empty" => {
+                let mut r = http::Response::new(full(""));
+                *r.status_mut() = StatusCode::NO_CONTENT;
+                r
+            }
+            "/stream" => {
+                let chunks = futures_util::stream::iter([
+                    Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"data: 1\n\n"))),
+                    Ok(Frame::data(Bytes::from_static(b"data: 2\n\n"))),
+                ]);
+                http::Response::new(StreamBody::new(chunks).boxed())
+            }
+            _ => {
+                let target = req.uri().to_string();
+                let method = req.method().to_string();
+                match req.into_body().collect().await {
+                    Ok(body) => {
+                        let body = String::from_utf8_lossy(&body.to_bytes()).to_string();
+                        http::Response::new(full(format!("{method} {target} {body}")))
+                    }
+                    Err(e) => {
+                        let mut r = http::Response::new(full(format!("body error: {e}")));
+                        *r.status_mut() = StatusCode::BAD_REQUEST;
+                        r
+                    }
+                }
+            }
+        }
+    }
+
+    const LIMITS: Limits = Limits {
+        max_head: 8192,
+        max_headers: 16,
+        header_timeout: Duration::from_secs(10),
+    };
+
+    /// A server on a free loopback port, serving every connection with the test service.
+    async fn server(limits: Limits) -> (std::net::SocketAddr, Arc<Seen>, watch::Sender<bool>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Seen::default());
+        let (stop, stopped) = watch::channel(false);
+        let s = Arc::clone(&seen);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let s = Arc::clone(&s);
+                let svc = tower::service_fn(move |req| {
+                    let s = Arc::clone(&s);
+                    async move { Ok::<_, Infallible>(service(s, req).await) }
+                });
+                tokio::spawn(serve(stream, svc, limits, stopped.clone()));
+            }
+        });
+        (addr, seen, stop)
+    }
+
+    /// One response read off `sock`: the head as text, and the body (by its length,
+    /// chunked, or to the close).
+    async fn response(sock: &mut TcpStream, buf: &mut Vec<u8>) -> (String, String) {
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let n = read_more(sock, buf).await;
+            assert!(
+                n > 0,
+                "closed before a whole head: {:?}",
+                String::from_utf8_lossy(buf)
+            );
+        };
+        let head = String::from_utf8(buf.drain(..head_end).collect()).unwrap();
+        let lower = head.to_ascii_lowercase();
+        let mut body = Vec::new();
+        if lower.starts_with("http/1.1 204") || lower.starts_with("http/1.1 100") {
+            return (head, String::new());
+        }
+        if let Some(len) = lower
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .map(|v| v.trim().parse::<usize>().unwrap())
+        {
+            while buf.len() < len {
+                let n = read_more(sock, buf).await;
+                assert!(n > 0, "closed inside the body");
+            }
+            body.extend(buf.drain(..len));
+        } else if lower.contains("transfer-encoding: chunked") {
+            loop {
+                let text = String::from_utf8_lossy(buf).to_string();
+                if let Some(end) = text
+                    .find("0\r\n\r\n")
+                    .filter(|&i| i == 0 || text[..i].ends_with("\r\n"))
+                {
+                    // Decode what came before the last chunk.
+                    let mut rest = &buf[..end];
+                    while !rest.is_empty() {
+                        let eol = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+                        let size =
+                            usize::from_str_radix(std::str::from_utf8(&rest[..eol]).unwrap(), 16)
+                                .unwrap();
+                        body.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
+                        rest = &rest[eol + 2 + size + 2..];
+                    }
+                    buf.drain(..end + 5);
+                    break;
+                }
+                let n = read_more(sock, buf).await;
+                assert!(n > 0, "closed inside a chunked body");
+            }
+        } else {
+            while read_more(sock, buf).await > 0 {}
+            body.append(buf);
+        }
+        (head, String::from_utf8(body).unwrap())
+    }
+
+    /// Reads what comes next onto `buf` (0: closed); a test fails rather than waits forever.
+    async fn read_more(sock: &mut TcpStream, buf: &mut Vec<u8>) -> usize {
+        let mut more = [0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(60), sock.read(&mut more))
+            .await
+            .expect("an answer")
+            .unwrap();
+        buf.extend_from_slice(&more[..n]);
+        n
+    }
+
+    /// Whether the server closed `sock` (after what was read already).
+    async fn closed(sock: &mut TcpStream) -> bool {
+        let mut b = [0u8; 1];
+        matches!(
+            tokio::time::timeout(Duration::from_secs(5), sock.read(&mut b)).await,
+            Ok(Ok(0) | Err(_))
+        )
+    }
+
+    async fn connect(addr: std::net::SocketAddr, send: &[u8]) -> TcpStream {
+        let mut sock = TcpStream::connect(addr).await.unwrap();
+        sock.write_all(send).await.unwrap();
+        sock
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_answered_in_order_on_one_connection() {
+        let (addr, seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(
+            addr,
+            b"POST /echo?a=1 HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello\
+              GET /echo HTTP/1.1\r\nhost: x\r\n\r\n\
+              POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\ntrailer: t\r\n\r\n",
+        )
+        .await;
+        let mut buf = Vec::new();
+        let (head, body) = response(&mut sock, &mut buf).await;
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(head.contains("content-length: 20\r\n"), "{head}");
+        assert!(head.contains("date: "), "{head}");
+        assert!(!head.contains("connection:"), "{head}");
+        assert_eq!(body, "POST /echo?a=1 hello");
+        assert_eq!(response(&mut sock, &mut buf).await.1, "GET /echo ");
+        assert_eq!(response(&mut sock, &mut buf).await.1, "POST /echo abcde");
+        assert_eq!(seen.calls.load(Ordering::SeqCst), 3);
+        // Still open for a fourth.
+        sock.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(response(&mut sock, &mut buf).await.1, "GET /echo ");
+        let headers = seen.headers.lock().unwrap();
+        assert_eq!(headers[0]["host"], "x");
+        assert!(headers[2].get("content-length").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_head_sent_a_byte_at_a_time_is_read() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let mut sock = TcpStream::connect(addr).await.unwrap();
+        sock.set_nodelay(true).unwrap();
+        for b in b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n" {
+            sock.write_all(&[*b]).await.unwrap();
+            tokio::task::yield_now().await;
+        }
+        let (head, body) = response(&mut sock, &mut Vec::new()).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert_eq!(body, "GET /echo ");
+    }
+
+    #[tokio::test]
+    async fn bodies_of_unknown_length_are_chunked_and_head_and_204_have_none() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(addr, b"GET /stream HTTP/1.1\r\n\r\n").await;
+        let mut buf = Vec::new();
+        let (head, body) = response(&mut sock, &mut buf).await;
+        assert!(head.contains("transfer-encoding: chunked\r\n"), "{head}");
+        assert_eq!(body, "data: 1\n\ndata: 2\n\n");
+        sock.write_all(
+            b"HEAD /early HTTP/1.1\r\n\r\nGET /empty HTTP/1.1\r\n\r\nGET /early HTTP/1.1\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        // HEAD: the head only (its length says what a GET would get).
+        let head_end = loop {
+            assert!(read_more(&mut sock, &mut buf).await > 0);
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+        };
+        let head = String::from_utf8(buf.drain(..head_end).collect()).unwrap();
+        assert!(head.contains("content-length: 5\r\n"), "{head}");
+        let (head, body) = response(&mut sock, &mut buf).await;
+        assert!(head.starts_with("HTTP/1.1 204"), "{head}");
+        assert!(
+            !head.contains("content-length") && !head.contains("chunked"),
+            "{head}"
+        );
+        assert_eq!(body, "");
+        // The bytes after each head are the next response's.
+        assert_eq!(response(&mut sock, &mut buf).await.1, "early");
+    }
+
+    #[tokio::test]
+    async fn http_1_0_closes_unless_kept_alive_and_is_never_chunked() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(addr, b"GET /stream HTTP/1.0\r\n\r\n").await;
+        let (head, body) = response(&mut sock, &mut Vec::new()).await;
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert!(!head.contains("chunked"), "{head}");
+        assert_eq!(body, "data: 1\n\ndata: 2\n\n");
+        let mut sock = connect(
+            addr,
+            b"GET /echo HTTP/1.0\r\nconnection: keep-alive\r\n\r\nGET /echo HTTP/1.0\r\n\r\n",
+        )
+        .await;
+        let mut buf = Vec::new();
+        let (head, _) = response(&mut sock, &mut buf).await;
+        assert!(head.contains("connection: keep-alive\r\n"), "{head}");
+        let (head, _) = response(&mut sock, &mut buf).await;
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert!(closed(&mut sock).await);
+    }
+
+    #[tokio::test]
+    async fn expect_100_continue_is_answered_before_the_body_is_sent() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(
+            addr,
+            b"POST /echo HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n",
+        )
+        .await;
+        let mut got = Vec::new();
+        while got.len() < CONTINUE.len() {
+            assert!(read_more(&mut sock, &mut got).await > 0);
+        }
+        assert_eq!(&got[..], CONTINUE);
+        sock.write_all(b"hi").await.unwrap();
+        assert_eq!(
+            response(&mut sock, &mut Vec::new()).await.1,
+            "POST /echo hi"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_left_unread_closes_the_connection_after_the_answer() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(
+            addr,
+            b"POST /early HTTP/1.1\r\ncontent-length: 10\r\n\r\n12345",
+        )
+        .await;
+        let (head, body) = response(&mut sock, &mut Vec::new()).await;
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert_eq!(body, "early");
+        assert!(closed(&mut sock).await);
+    }
+
+    #[tokio::test]
+    async fn bad_heads_get_an_openai_error_and_a_close() {
+        let limits = Limits {
+            max_head: 8192,
+            max_headers: 8,
+            ..LIMITS
+        };
+        let (addr, seen, _stop) = server(limits).await;
+        let many: String = (0..9).map(|i| format!("h{i}: v\r\n")).collect();
+        let cases: Vec<(Vec<u8>, &str, &str)> = vec![
+            (
+                format!("GET / HTTP/1.1\r\nbig: {}\r\n\r\n", "a".repeat(9000)).into_bytes(),
+                "431",
+                "request_head_too_large",
+            ),
+            // Too large before its end has even arrived.
+            (
+                format!("GET / HTTP/1.1\r\nbig: {}", "a".repeat(9000)).into_bytes(),
+                "431",
+                "request_head_too_large",
+            ),
+            (
+                format!("GET / HTTP/1.1\r\n{many}\r\n").into_bytes(),
+                "431",
+                "request_head_too_large",
+            ),
+            (
+                b"GET / HTTP/1.1\r\nbad header\r\n\r\n".to_vec(),
+                "400",
+                "invalid_request_head",
+            ),
+            (
+                b"G@T / HTTP/1.1\r\n\r\n".to_vec(),
+                "400",
+                "invalid_request_head",
+            ),
+            (
+                b"POST / HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab".to_vec(),
+                "400",
+                "invalid_request_framing",
+            ),
+            (
+                b"POST / HTTP/1.1\r\ncontent-length: -1\r\n\r\n".to_vec(),
+                "400",
+                "invalid_request_framing",
+            ),
+            (
+                b"POST / HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\n".to_vec(),
+                "400",
+                "invalid_request_framing",
+            ),
+        ];
+        for (send, status, code) in cases {
+            let mut sock = connect(addr, &send).await;
+            let (head, body) = response(&mut sock, &mut Vec::new()).await;
+            assert!(head.starts_with(&format!("HTTP/1.1 {status} ")), "{head}");
+            assert!(head.contains("connection: close\r\n"), "{head}");
+            assert!(
+                head.contains("content-type: application/json\r\n"),
+                "{head}"
+            );
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["error"]["code"], code, "{body}");
+            assert!(closed(&mut sock).await);
+        }
+        assert_eq!(seen.calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn chunked_beside_a_length_drops_the_length_and_closes_after() {
+        let (addr, seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(
+            addr,
+            b"POST /echo HTTP/1.1\r\ncontent-length: 100\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        )
+        .await;
+        let (head, body) = response(&mut sock, &mut Vec::new()).await;
+        assert_eq!(body, "POST /echo ok");
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert!(seen.headers.lock().unwrap()[0]
+            .get("content-length")
+            .is_none());
+        assert!(closed(&mut sock).await);
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_is_an_error_to_the_service() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(
+            addr,
+            b"POST /echo HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        )
+        .await;
+        let (head, body) = response(&mut sock, &mut Vec::new()).await;
+        assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+        assert!(body.contains("invalid chunk size"), "{body}");
+        assert!(head.contains("connection: close\r\n"), "{head}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_head_gets_408_and_an_idle_connection_closes() {
+        let limits = Limits {
+            header_timeout: Duration::from_secs(30),
+            ..LIMITS
+        };
+        let (addr, _seen, _stop) = server(limits).await;
+        let mut partial = connect(addr, b"GET /echo HTTP/1.1\r\nhost:").await;
+        let mut idle = connect(addr, b"GET /echo HTTP/1.1\r\n\r\n").await;
+        let mut buf = Vec::new();
+        assert_eq!(response(&mut idle, &mut buf).await.1, "GET /echo ");
+        let started = tokio::time::Instant::now();
+        let (head, body) = response(&mut partial, &mut Vec::new()).await;
+        assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+        assert!(body.contains("request_head_timeout"), "{body}");
+        assert!(started.elapsed() >= Duration::from_secs(29));
+        // The idle one closes without a word.
+        assert_eq!(read_more(&mut idle, &mut Vec::new()).await, 0);
+    }
+
+    #[tokio::test]
+    async fn a_client_gone_while_waiting_drops_the_request() {
+        let (addr, seen, _stop) = server(LIMITS).await;
+        let sock = connect(addr, b"GET /pending HTTP/1.1\r\n\r\n").await;
+        while seen.calls.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!seen.dropped.load(Ordering::SeqCst));
+        drop(sock);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !seen.dropped.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the request was dropped");
+    }
+
+    #[tokio::test]
+    async fn a_stop_closes_idle_connections_and_answers_the_request_in_progress() {
+        let (addr, seen, stop) = server(LIMITS).await;
+        let mut idle = connect(addr, b"GET /echo HTTP/1.1\r\n\r\n").await;
+        let mut buf = Vec::new();
+        response(&mut idle, &mut buf).await;
+        // Sent, and its body held back: in progress when the stop comes.
+        let mut busy = connect(addr, b"POST /echo HTTP/1.1\r\ncontent-length: 2\r\n\r\n").await;
+        while seen.calls.load(Ordering::SeqCst) < 2 {
+            tokio::task::yield_now().await;
+        }
+        stop.send(true).unwrap();
+        assert!(closed(&mut idle).await);
+        busy.write_all(b"ok").await.unwrap();
+        let (head, body) = response(&mut busy, &mut Vec::new()).await;
+        assert_eq!(body, "POST /echo ok");
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert!(closed(&mut busy).await);
+    }
+
+    #[test]
+    fn chunk_lines() {
+        let mut b = [0u8; 20];
+        assert_eq!(chunk_line(&mut b, 0), b"0\r\n");
+        assert_eq!(chunk_line(&mut b, 10), b"a\r\n");
+        assert_eq!(chunk_line(&mut b, 0x1f3), b"1f3\r\n");
+        assert_eq!(chunk_line(&mut b, usize::MAX), b"ffffffffffffffff\r\n");
+    }
+
+    #[tokio::test]
+    async fn a_connection_future_is_small() {
+        // What each open connection holds for as long as it is open, beside its buffers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (_, stopped) = watch::channel(false);
+        let svc = tower::service_fn(|_req: http::Request<RequestBody>| async {
+            Ok::<_, Infallible>(http::Response::new(full("")))
+        });
+        let n = std::mem::size_of_val(&serve(stream, svc, LIMITS, stopped));
+        eprintln!("serve future: {n} bytes");
+        assert!(n < 4096, "{n}");
+    }
+}
