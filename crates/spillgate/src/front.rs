@@ -28,7 +28,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, Method, StatusCode, Uri, Version};
 use http_body::{Frame, SizeHint};
-use tokio::io::{AsyncRead, AsyncWriteExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -53,9 +53,6 @@ pub struct Limits {
 const HEADER_SLOTS: usize = 1000;
 /// Heads with up to this many headers note where they lie on the stack.
 const SMALL_HEAD: usize = 64;
-/// Bytes read at a time while a request is served and the read buffer is empty: enough
-/// to see the client close, or the start of its next request.
-const PROBE: usize = 512;
 /// How long a closing connection reads what the client still sends, and how much.
 const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 256 * 1024;
@@ -76,6 +73,21 @@ struct Input {
     /// False once a request body failed or was cut short: the connection cannot carry
     /// another request.
     intact: bool,
+    /// Where the request's `Expect: 100-continue` stands.
+    expect: Continue,
+}
+
+/// A client that sent `Expect: 100-continue` waits for `100 Continue` before its body; it
+/// is sent when the body is first read (a request refused before its body is read, 401
+/// say, is answered without the client sending it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Continue {
+    /// Not asked for, or already sent.
+    No,
+    /// Asked for; the body has not been read yet.
+    Wanted,
+    /// The body is being read: the connection sends it now.
+    Due,
 }
 
 type Shared = Arc<Mutex<Input>>;
@@ -93,27 +105,16 @@ impl Input {
 
     /// Whether the client went away (closed its side, or the connection failed) while its
     /// request is served. Only once the request body has been read: before, the bytes are
-    /// the body's. What arrives meanwhile (a next request) is kept, up to `cap` bytes, past
-    /// which the socket is not watched.
-    fn poll_gone(&mut self, cx: &mut Context<'_>, cap: usize) -> bool {
-        if self.body != Framing::Done || !self.intact {
+    /// the body's. Once something else arrives (a next request, kept for its turn), the
+    /// socket is not watched: a client that sends its next request and then closes its
+    /// side still gets both answers.
+    fn poll_gone(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.body != Framing::Done || !self.intact || !self.buf.is_empty() {
             return false;
         }
-        // An empty buffer is let go of: an open stream holds no read buffer.
-        if self.buf.is_empty() && self.buf.capacity() > 0 {
-            self.buf = BytesMut::new();
-        }
-        while self.buf.len() < cap {
-            let mut probe = [0u8; PROBE];
-            let mut probe = tokio::io::ReadBuf::new(&mut probe);
-            match Pin::new(&mut self.io).poll_read(cx, &mut probe) {
-                Poll::Ready(Ok(())) if probe.filled().is_empty() => return true,
-                Poll::Ready(Ok(())) => self.buf.extend_from_slice(probe.filled()),
-                Poll::Ready(Err(_)) => return true,
-                Poll::Pending => return false,
-            }
-        }
-        false
+        // The read goes to the stack (see `h1::poll_fill`): an open stream holds no read
+        // buffer.
+        matches!(self.poll_fill(cx), Poll::Ready(Ok(0) | Err(_)))
     }
 
     /// Whether the buffer may hold a whole head: it has an empty line (a head ends with
@@ -156,6 +157,16 @@ impl http_body::Body for RequestBody {
                 Ok(Step::End) => break None,
                 Ok(Step::NeedMore) => {}
                 Err(e) => break Some(e),
+            }
+            // The client waits to be asked: the connection asks, then polls again.
+            match input.expect {
+                Continue::No => {}
+                Continue::Wanted => {
+                    input.expect = Continue::Due;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                Continue::Due => return Poll::Pending,
             }
             match std::task::ready!(input.poll_fill(cx)) {
                 Ok(0) => {
@@ -287,6 +298,11 @@ fn request_framing(
     let bad = |message: &str| GatewayError::bad_request("invalid_request_framing", message);
     let mut te = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
     if te.peek().is_some() {
+        // HTTP/1.0 has no transfer codings: a sender that uses one is not to be trusted
+        // with where the message ends (RFC 9112, section 6.1).
+        if version == Version::HTTP_10 {
+            return Err(bad("An HTTP/1.0 request cannot use Transfer-Encoding."));
+        }
         if !te.last().is_some_and(|v| h1::last_token_is(v, "chunked")) {
             return Err(bad(
                 "A request with Transfer-Encoding must end it with `chunked`.",
@@ -331,6 +347,7 @@ pub async fn serve<S, B>(
         scanned: 0,
         body: Framing::Done,
         intact: true,
+        expect: Continue::No,
     }));
     // One wait for the stop signal and one timer for the connection's whole life.
     let stop_signal = {
@@ -371,8 +388,9 @@ pub async fn serve<S, B>(
             if timer.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            // Part of a head and no more: told so. An idle connection just closes.
-            Poll::Ready(if input.buf.is_empty() {
+            // Part of a head and no more: told so. An idle connection (or one that sent
+            // only the empty lines a client may send between requests) just closes.
+            Poll::Ready(if input.buf.iter().all(|b| matches!(b, b'\r' | b'\n')) {
                 Next::End
             } else {
                 Next::Refused(GatewayError::new(
@@ -399,7 +417,6 @@ pub async fn serve<S, B>(
                     resp,
                     (&Method::GET, Version::HTTP_11),
                     false,
-                    &limits,
                 )
                 .await;
                 return close(out, &shared).await;
@@ -415,7 +432,7 @@ pub async fn serve<S, B>(
             Ok(f) => f,
             Err(e) => {
                 let resp = e.into_response();
-                let _ = respond(&mut out, &shared, resp, (&method, version), false, &limits).await;
+                let _ = respond(&mut out, &shared, resp, (&method, version), false).await;
                 return close(out, &shared).await;
             }
         };
@@ -428,15 +445,15 @@ pub async fn serve<S, B>(
             && headers
                 .get(header::EXPECT)
                 .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        let body_waits = {
+        {
             let mut input = lock(&shared);
             input.body = framing;
-            framing != Framing::Done && input.buf.is_empty()
-        };
-        // A client that waits to be asked for its body is asked at once: the gateway
-        // reads every body it is sent.
-        if expects_continue && body_waits && out.write_all(CONTINUE).await.is_err() {
-            return;
+            let waits = expects_continue && framing != Framing::Done && input.buf.is_empty();
+            input.expect = if waits {
+                Continue::Wanted
+            } else {
+                Continue::No
+            };
         }
         let body = RequestBody {
             input: (framing != Framing::Done).then(|| Arc::clone(&shared)),
@@ -447,18 +464,35 @@ pub async fn serve<S, B>(
         *req.uri_mut() = uri;
         *req.version_mut() = version;
         *req.headers_mut() = headers;
+        let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
         let answered = {
             // Dropped once it has answered: it is done, and a response that streams for
             // minutes would keep its memory.
             let mut call = std::pin::pin!(service.call(req));
-            poll_fn(|cx| {
+            let mut continued = 0;
+            poll_fn(|cx| loop {
                 if let Poll::Ready(Ok(resp)) = call.as_mut().poll(cx) {
                     return Poll::Ready(Some(resp));
                 }
-                if lock(&shared).poll_gone(cx, limits.max_head) {
+                let mut input = lock(&shared);
+                if input.expect == Continue::Due {
+                    match Pin::new(&mut out).poll_write(cx, &CONTINUE[continued..]) {
+                        Poll::Ready(Ok(n)) if n > 0 => {
+                            continued += n;
+                            if continued == CONTINUE.len() {
+                                // Sent: the body reads from now on.
+                                input.expect = Continue::No;
+                            }
+                            continue;
+                        }
+                        Poll::Ready(_) => return Poll::Ready(None),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+                if input.poll_gone(cx) {
                     return Poll::Ready(None);
                 }
-                Poll::Pending
+                return Poll::Pending;
             })
             .await
         };
@@ -467,16 +501,7 @@ pub async fn serve<S, B>(
             return;
         };
         let keep_alive = keep_alive && !*stopped.borrow_and_update();
-        match respond(
-            &mut out,
-            &shared,
-            resp,
-            (&method, version),
-            keep_alive,
-            &limits,
-        )
-        .await
-        {
+        match respond(&mut out, &shared, resp, (&method, version), keep_alive).await {
             Ok(true) => {}
             Ok(false) => return close(out, &shared).await,
             Err(e) => {
@@ -526,13 +551,22 @@ async fn respond<B>(
     resp: http::Response<B>,
     (method, version): (&Method, Version),
     keep_alive: bool,
-    limits: &Limits,
 ) -> Result<bool, WriteError>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
-    let (parts, mut body) = resp.into_parts();
+    let (mut parts, mut body) = resp.into_parts();
+    // A 1xx is never a final answer: one given as such would leave the client waiting for
+    // another. Reported as the server error it is.
+    let informational = parts.status.is_informational();
+    if informational {
+        tracing::error!(
+            status = parts.status.as_u16(),
+            "a 1xx status given as a response"
+        );
+        parts.status = StatusCode::INTERNAL_SERVER_ERROR;
+    }
     let status = parts.status;
     let no_body = *method == Method::HEAD
         || status.is_informational()
@@ -545,6 +579,7 @@ where
     };
     let mut reusable = keep_alive
         && !unread
+        && !informational
         && !parts
             .headers
             .get_all(header::CONNECTION)
@@ -587,9 +622,7 @@ where
         let event = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
             Poll::Ready(f) => Poll::Ready(Event::Frame(f)),
             Poll::Pending if head.is_some() => Poll::Ready(Event::Idle),
-            Poll::Pending if lock(shared).poll_gone(cx, limits.max_head) => {
-                Poll::Ready(Event::Gone)
-            }
+            Poll::Pending if lock(shared).poll_gone(cx) => Poll::Ready(Event::Gone),
             Poll::Pending => Poll::Pending,
         })
         .await;
@@ -1095,6 +1128,32 @@ mod tests {
             response(&mut sock, &mut Vec::new()).await.1,
             "POST /echo hi"
         );
+        // Answered without its body being read: not asked for it, and told the connection
+        // closes (the body it did not send would be taken for a request).
+        let mut sock = connect(
+            addr,
+            b"POST /early HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n",
+        )
+        .await;
+        let (head, body) = response(&mut sock, &mut Vec::new()).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert_eq!(body, "early");
+    }
+
+    #[tokio::test]
+    async fn a_client_that_sends_its_next_request_then_closes_gets_both_answers() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(
+            addr,
+            b"GET /echo HTTP/1.1\r\n\r\nGET /early HTTP/1.1\r\n\r\n",
+        )
+        .await;
+        sock.shutdown().await.unwrap();
+        let mut buf = Vec::new();
+        assert_eq!(response(&mut sock, &mut buf).await.1, "GET /echo ");
+        assert_eq!(response(&mut sock, &mut buf).await.1, "early");
+        assert!(closed(&mut sock).await);
     }
 
     #[tokio::test]
@@ -1162,6 +1221,11 @@ mod tests {
                 "400",
                 "invalid_request_framing",
             ),
+            (
+                b"POST / HTTP/1.0\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
+                "400",
+                "invalid_request_framing",
+            ),
         ];
         for (send, status, code) in cases {
             let mut sock = connect(addr, &send).await;
@@ -1218,6 +1282,7 @@ mod tests {
         };
         let (addr, _seen, _stop) = server(limits).await;
         let mut partial = connect(addr, b"GET /echo HTTP/1.1\r\nhost:").await;
+        let mut blank = connect(addr, b"\r\n").await;
         let mut idle = connect(addr, b"GET /echo HTTP/1.1\r\n\r\n").await;
         let mut buf = Vec::new();
         assert_eq!(response(&mut idle, &mut buf).await.1, "GET /echo ");
@@ -1226,8 +1291,9 @@ mod tests {
         assert!(head.starts_with("HTTP/1.1 408"), "{head}");
         assert!(body.contains("request_head_timeout"), "{body}");
         assert!(started.elapsed() >= Duration::from_secs(29));
-        // The idle one closes without a word.
+        // The idle one closes without a word, as does one that sent an empty line.
         assert_eq!(read_more(&mut idle, &mut Vec::new()).await, 0);
+        assert_eq!(read_more(&mut blank, &mut Vec::new()).await, 0);
     }
 
     #[tokio::test]
