@@ -289,7 +289,7 @@ mod tests {
         Some(Ok(Frame::data(Bytes::from_static(s.as_bytes()))))
     }
 
-    /// Polls like hyper does, counting the self-wakes (scheduler turns given away).
+    /// Polls as a connection does, counting the self-wakes (scheduler turns given away).
     struct Waker(Arc<AtomicUsize>);
     impl std::task::Wake for Waker {
         fn wake(self: Arc<Self>) {

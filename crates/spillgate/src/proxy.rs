@@ -406,9 +406,10 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: Option<HeaderValue>
     finish(outcome, &ctx, &client, &app)
 }
 
-/// Logs a request whose client went away before it was answered. hyper drops the handler
-/// future when the client disconnects, which also drops (and so cancels) the upstream
-/// request in flight; this guard's `Drop` is the only place that sees it happen.
+/// Logs a request whose client went away before it was answered. The client connection
+/// ([`crate::front`]) drops the handler future when the client disconnects, which also
+/// drops (and so cancels) the upstream request in flight; this guard's `Drop` is the only
+/// place that sees it happen.
 struct DisconnectGuard<'a> {
     model: &'a str,
     started: tokio::time::Instant,
