@@ -28,7 +28,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, Method, StatusCode, Uri, Version};
 use http_body::{Frame, SizeHint};
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -197,18 +197,13 @@ impl http_body::Body for RequestBody {
     }
 }
 
-/// A request head taken off the read buffer.
-struct Head {
-    method: Method,
-    uri: Uri,
-    version: Version,
-    headers: HeaderMap,
-}
-
-/// Takes a complete request head off the front of `buf`, or returns `None` when it is
-/// not all there yet. A head over the limits is refused with 431, a malformed one with
-/// 400.
-fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, GatewayError> {
+/// Takes a complete request head off the front of `buf`, as a request without its body,
+/// or returns `None` when it is not all there yet. A head over the limits is refused with
+/// 431, a malformed one with 400.
+fn parse_head(
+    buf: &mut BytesMut,
+    limits: &Limits,
+) -> Result<Option<http::Request<()>>, GatewayError> {
     let too_large = |what: String| {
         GatewayError::new(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -270,12 +265,12 @@ fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, Gatew
     let headers = h1::header_map(&head, spans).map_err(|why| {
         GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
     })?;
-    Ok(Some(Head {
-        method,
-        uri,
-        version,
-        headers,
-    }))
+    let mut req = http::Request::new(());
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = version;
+    *req.headers_mut() = headers;
+    Ok(Some(req))
 }
 
 /// The framing of a request body (RFC 9112, section 6.3), and whether the connection can
@@ -285,15 +280,9 @@ fn request_framing(
     version: Version,
     headers: &mut HeaderMap,
 ) -> Result<(Framing, bool), GatewayError> {
-    let connection = |token| {
-        headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| h1::has_token(v, token))
-    };
     let mut keep_alive = match version {
-        Version::HTTP_10 => connection("keep-alive"),
-        _ => !connection("close"),
+        Version::HTTP_10 => h1::connection_has(headers, "keep-alive"),
+        _ => !h1::connection_has(headers, "close"),
     };
     let bad = |message: &str| GatewayError::bad_request("invalid_request_framing", message);
     let mut te = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
@@ -320,7 +309,7 @@ fn request_framing(
 
 /// How the connection's wait for a head ended.
 enum Next {
-    Head(Head),
+    Head(http::Request<()>),
     /// Closed by the client, idle too long, or the gateway is stopping: closes quietly.
     End,
     /// Answered with this error, then closed.
@@ -372,10 +361,13 @@ pub async fn serve<S, B>(
             let mut input = lock(&shared);
             loop {
                 if input.may_hold_head() || input.buf.len() > limits.max_head {
-                    input.scanned = 0;
                     match parse_head(&mut input.buf, &limits) {
-                        Ok(Some(head)) => return Poll::Ready(Next::Head(head)),
-                        Ok(None) => input.scanned = input.buf.len(),
+                        Ok(Some(head)) => {
+                            // The buffer now starts after it: searched from its start.
+                            input.scanned = 0;
+                            return Poll::Ready(Next::Head(head));
+                        }
+                        Ok(None) => {}
                         Err(e) => return Poll::Ready(Next::Refused(e)),
                     }
                 }
@@ -405,36 +397,18 @@ pub async fn serve<S, B>(
             })
         })
         .await;
-        let head = match next {
+        let mut head = match next {
             Next::Head(head) => head,
             Next::End => return,
             Next::Refused(e) => {
-                tracing::debug!(status = e.status.as_u16(), code = e.code, "request refused");
-                let resp = e.into_response();
-                let _ = respond(
-                    &mut out,
-                    &shared,
-                    resp,
-                    (&Method::GET, Version::HTTP_11),
-                    false,
-                )
-                .await;
-                return close(out, &shared).await;
+                return refuse(out, &shared, e, (&Method::GET, Version::HTTP_11)).await
             }
         };
-        let Head {
-            method,
-            uri,
-            version,
-            mut headers,
-        } = head;
-        let (framing, keep_alive) = match request_framing(version, &mut headers) {
+        let version = head.version();
+        let method = head.method().clone();
+        let (framing, keep_alive) = match request_framing(version, head.headers_mut()) {
             Ok(f) => f,
-            Err(e) => {
-                let resp = e.into_response();
-                let _ = respond(&mut out, &shared, resp, (&method, version), false).await;
-                return close(out, &shared).await;
-            }
+            Err(e) => return refuse(out, &shared, e, (&method, version)).await,
         };
         let hint = match framing {
             Framing::Length(n) => SizeHint::with_exact(n),
@@ -442,7 +416,8 @@ pub async fn serve<S, B>(
             _ => SizeHint::default(),
         };
         let expects_continue = version == Version::HTTP_11
-            && headers
+            && head
+                .headers()
                 .get(header::EXPECT)
                 .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
         {
@@ -459,11 +434,7 @@ pub async fn serve<S, B>(
             input: (framing != Framing::Done).then(|| Arc::clone(&shared)),
             hint,
         };
-        let mut req = http::Request::new(body);
-        *req.method_mut() = method.clone();
-        *req.uri_mut() = uri;
-        *req.version_mut() = version;
-        *req.headers_mut() = headers;
+        let req = head.map(|()| body);
         let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
         let answered = {
             // Dropped once it has answered: it is done, and a response that streams for
@@ -510,6 +481,19 @@ pub async fn serve<S, B>(
             }
         }
     }
+}
+
+/// Answers `e` to a request (with `method` and `version`, as far as they are known) that
+/// cannot be read, and closes the connection.
+async fn refuse(
+    mut out: OwnedWriteHalf,
+    shared: &Shared,
+    e: GatewayError,
+    request: (&Method, Version),
+) {
+    tracing::debug!(status = e.status.as_u16(), code = e.code, "request refused");
+    let _ = respond(&mut out, shared, e.into_response(), request, false).await;
+    close(out, shared).await;
 }
 
 /// Why a response did not go out whole.
@@ -569,25 +553,22 @@ where
     }
     let status = parts.status;
     let no_body = *method == Method::HEAD
-        || status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    let declared = h1::content_length(&parts.headers).ok().flatten();
+    // The handler's own length, else its body's exact size.
+    let known = h1::content_length(&parts.headers)
+        .ok()
+        .flatten()
+        .or(body.size_hint().exact());
     let unread = {
         let input = lock(shared);
         input.body != Framing::Done || !input.intact
     };
-    let mut reusable = keep_alive
-        && !unread
-        && !informational
-        && !parts
-            .headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| h1::has_token(v, "close"));
+    let mut reusable =
+        keep_alive && !unread && !informational && !h1::connection_has(&parts.headers, "close");
     let mut framing = if no_body {
         Framing::Done
-    } else if let Some(n) = declared.or(body.size_hint().exact()) {
+    } else if let Some(n) = known {
         Framing::Length(n)
     } else if version == Version::HTTP_11 {
         Framing::Chunked(Chunk::Size)
@@ -605,19 +586,18 @@ where
     // A response to HEAD gives the length a GET would get.
     let length = match framing {
         Framing::Length(n) => Some(n),
-        _ if *method == Method::HEAD => declared.or(body.size_hint().exact()),
+        _ if *method == Method::HEAD => known,
         _ => None,
     };
     let chunked = matches!(framing, Framing::Chunked(_));
     encode_head(&mut head, &parts, length, chunked, connection);
     drop(parts);
-    let mut head = Some(head);
     if framing == Framing::Done {
-        if let Some(h) = head.take() {
-            write_all(out, &mut [IoSlice::new(&h)]).await?;
-        }
+        write_all(out, &mut [IoSlice::new(&head)]).await?;
         return Ok(reusable);
     }
+    // Sent with the first data, or alone when the body has none ready.
+    let mut head = Some(head);
     loop {
         let event = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
             Poll::Ready(f) => Poll::Ready(Event::Frame(f)),
@@ -814,10 +794,13 @@ async fn close(mut out: OwnedWriteHalf, shared: &Shared) {
         LINGER,
         poll_fn(|cx| {
             let mut input = lock(shared);
+            let mut scratch = [MaybeUninit::<u8>::uninit(); h1::READ_ROOM];
             loop {
-                input.buf.clear();
-                match std::task::ready!(input.poll_fill(cx)) {
-                    Ok(n) if n > 0 && read < LINGER_BYTES => read += n,
+                let mut scratch = tokio::io::ReadBuf::uninit(&mut scratch);
+                match std::task::ready!(Pin::new(&mut input.io).poll_read(cx, &mut scratch)) {
+                    Ok(()) if !scratch.filled().is_empty() && read < LINGER_BYTES => {
+                        read += scratch.filled().len();
+                    }
                     _ => return Poll::Ready(()),
                 }
             }

@@ -7,8 +7,11 @@
 //! header buffer of 8 KiB. Here the request's future writes the request and reads the
 //! response head on the socket itself, and the response body reads the socket when the
 //! client's connection asks for more: no task, no channel. The read buffer is shared by
-//! the chunks cut from it, and a new one is taken only when less than 1 KiB of room is
-//! left (hyper took one per read once a chunk was held).
+//! the chunks cut from it; an empty one is let go of before a read (see [`poll_fill`]),
+//! so a connection waiting between two events holds none.
+//!
+//! The client side ([`crate::front`]) reads and decodes request bodies with the same
+//! pieces: [`poll_fill`], [`decode`], [`header_map`] and [`content_length`].
 //!
 //! What it does not do, because the gateway never needs it: send a streamed request
 //! body, pipeline, or upgrade. A request is sent again elsewhere only when not a byte of
@@ -548,11 +551,7 @@ fn framing(
     version: Version,
     headers: &mut HeaderMap,
 ) -> Result<(Framing, bool), Error> {
-    let mut keep_alive = version == Version::HTTP_11
-        && !headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| has_token(v, "close"));
+    let mut keep_alive = version == Version::HTTP_11 && !connection_has(headers, "close");
     if is_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Done, keep_alive));
     }
@@ -597,7 +596,15 @@ pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'stati
     Ok(length)
 }
 
-pub(crate) fn has_token(v: &HeaderValue, token: &str) -> bool {
+/// Whether a `Connection` header of `headers` lists `token` (`close`, `keep-alive`).
+pub(crate) fn connection_has(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .any(|v| has_token(v, token))
+}
+
+fn has_token(v: &HeaderValue, token: &str) -> bool {
     v.as_bytes()
         .split(|&b| b == b',')
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
