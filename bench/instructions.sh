@@ -8,6 +8,7 @@
 #   TOP=15 bench/instructions.sh   # also list spillgate's 15 costliest functions
 #   SMOKE=1 bench/instructions.sh  # seconds, JSON only, debug build (what ./test.sh runs)
 #   KEEP=/tmp/cg bench/instructions.sh  # also keep the callgrind dumps (for callgrind_annotate)
+#   ONLY=json bench/instructions.sh  # one body only (json or sse)
 #
 # Installs valgrind, wrk and nginx-light with apt-get when missing. Prints a markdown
 # table: requests counted, user-space instructions per request (per 100-chunk stream for
@@ -27,6 +28,7 @@ export PATH=$PATH:/usr/sbin
 WARM=2
 DURATION=${DURATION:-5}
 BODIES=(json sse)
+[[ -n ${ONLY:-} ]] && BODIES=("$ONLY")
 if [[ -n ${SMOKE:-} ]]; then
     WARM=1
     DURATION=1

@@ -262,7 +262,7 @@ fn parse_head(
     let uri = Uri::from_maybe_shared(head.slice(path.range())).map_err(|_| {
         GatewayError::bad_request("invalid_request_head", "Invalid request target.")
     })?;
-    let headers = h1::header_map(&head, spans).map_err(|why| {
+    let headers = h1::header_map(&head, spans, 0).map_err(|why| {
         GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
     })?;
     let mut req = http::Request::new(());

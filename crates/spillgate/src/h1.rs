@@ -456,7 +456,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
     let count = resp.headers.len();
     record_spans(buf, resp.headers, &mut spans);
     let head = buf.split_to(len).freeze();
-    let headers = header_map(&head, &spans[..count])
+    let headers = header_map(&head, &spans[..count], RESPONSE_HEADROOM)
         .map_err(|why| Error::new(format!("{why} in the response")))?;
     Ok(Some(Head {
         status,
@@ -464,6 +464,11 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
         headers,
     }))
 }
+
+/// Room left in a response's header map for the headers the gateway adds before the
+/// response goes on to the client (its request id, backend, attempts and model): a map
+/// that had to grow for them would hash every header again.
+const RESPONSE_HEADROOM: usize = 4;
 
 /// Where a part of a head lies in it: offset and length. Heads are far shorter than
 /// 4 GiB (their limits are at most 1 MiB).
@@ -501,10 +506,10 @@ pub(crate) fn record_spans(head: &[u8], parsed: &[httparse::Header<'_>], spans: 
     }
 }
 
-/// The headers at `spans` of `head`; their values share its bytes. The error says what
-/// was wrong, naming no value.
-pub(crate) fn header_map(head: &Bytes, spans: &[Span]) -> Result<HeaderMap, String> {
-    let mut headers = HeaderMap::with_capacity(spans.len());
+/// The headers at `spans` of `head`, with room for `extra` more; their values share its
+/// bytes. The error says what was wrong, naming no value.
+pub(crate) fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<HeaderMap, String> {
+    let mut headers = HeaderMap::with_capacity(spans.len() + extra);
     for span in spans {
         let name = head
             .get(span.name.range())
@@ -581,12 +586,7 @@ pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'stati
     let mut length = None;
     for v in headers.get_all(header::CONTENT_LENGTH) {
         for part in v.as_bytes().split(|&b| b == b',') {
-            let n = std::str::from_utf8(part)
-                .ok()
-                .map(|s| s.trim_matches([' ', '\t']))
-                .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|s| s.parse::<u64>().ok())
-                .ok_or("invalid content-length")?;
+            let n = decimal(trim_blanks(part)).ok_or("invalid content-length")?;
             if length.is_some_and(|l| l != n) {
                 return Err("conflicting content-length values");
             }
@@ -594,6 +594,30 @@ pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'stati
         }
     }
     Ok(length)
+}
+
+/// `part` without the spaces and tabs around it.
+fn trim_blanks(mut part: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = part {
+        part = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = part {
+        part = rest;
+    }
+    part
+}
+
+/// A non-empty run of ASCII digits as a number (`None` for anything else or past
+/// `u64::MAX`), read from the bytes without a UTF-8 check or a string parse.
+fn decimal(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &b| {
+        let d = b.wrapping_sub(b'0');
+        (d < 10).then_some(())?;
+        n.checked_mul(10)?.checked_add(u64::from(d))
+    })
 }
 
 /// Whether a `Connection` header of `headers` lists `token` (`close`, `keep-alive`).
@@ -1267,6 +1291,39 @@ mod tests {
             assert!(e.to_string().contains(want), "{e} / {want}");
             assert!(back.take().is_none());
         }
+    }
+
+    #[test]
+    fn content_lengths_are_read_strictly() {
+        let length = |values: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::CONTENT_LENGTH, HeaderValue::from_static(v));
+            }
+            content_length(&h)
+        };
+        assert_eq!(length(&[]), Ok(None));
+        assert_eq!(length(&["0"]), Ok(Some(0)));
+        assert_eq!(length(&[" \t42\t "]), Ok(Some(42)));
+        assert_eq!(length(&["5, 5", "5"]), Ok(Some(5)));
+        assert_eq!(length(&["18446744073709551615"]), Ok(Some(u64::MAX)));
+        for bad in [
+            "",
+            " ",
+            "+1",
+            "-1",
+            "1x",
+            "1 2",
+            "0x10",
+            "18446744073709551616",
+            "5,",
+        ] {
+            assert_eq!(length(&[bad]), Err("invalid content-length"), "{bad:?}");
+        }
+        assert_eq!(
+            length(&["1", "2"]),
+            Err("conflicting content-length values")
+        );
     }
 
     #[tokio::test]

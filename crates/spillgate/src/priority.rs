@@ -308,18 +308,25 @@ fn sole_top_level_usage(json: &[u8]) -> Option<&[u8]> {
     let after = at + KEY.len();
     // From the end back to the key: outside every string, inside exactly one object or
     // array (the top-level one). A quote is a string's edge unless an odd number of
-    // backslashes precede it.
-    let (mut depth, mut in_string) = (0usize, false);
-    for (i, &c) in json.iter().enumerate().skip(after).rev() {
-        match c {
-            b'"' if !escaped(json, i) => in_string = !in_string,
-            _ if in_string => {}
+    // backslashes precede it; a string is stepped over from its closing quote to its
+    // opening one with `memrchr`, not byte by byte.
+    let mut depth = 0usize;
+    let mut i = json.len();
+    while i > after {
+        i -= 1;
+        match json[i] {
+            b'"' if !escaped(json, i) => loop {
+                i = after + memchr::memrchr(b'"', &json[after..i])?;
+                if !escaped(json, i) {
+                    break;
+                }
+            },
             b'}' | b']' => depth += 1,
             b'{' | b'[' => depth = depth.checked_sub(1)?,
             _ => {}
         }
     }
-    if in_string || depth != 1 {
+    if depth != 1 {
         return None;
     }
     member_value(&json[after..])
@@ -724,6 +731,8 @@ mod tests {
             r#"{"choices":[{"message":{"content":"}{]["}}],"id":"x","usage":{"total_tokens":35}}"#,
             r#"{"id":"x","usage":{"total_tokens":35},"service_tier":"default","system_fingerprint":"fp_\"}"}"#,
             "{\n  \"usage\" :\t{\"total_tokens\": 35}\n}\n",
+            // Strings that end in an escaped backslash, or hold escaped quotes and braces.
+            r#"{"usage":{"total_tokens":35},"s":"a\\","t":"\"}{\\\"","u":["\\"]}"#,
             // What the mock backend answers.
             r#"{"choices":[{"finish_reason":"stop","index":0,"logprobs":null,"message":{"content":"Hello from b","refusal":null,"role":"assistant"}}],"created":1795255243,"id":"chatcmpl-mock1","model":"gpt-4o","object":"chat.completion","system_fingerprint":null,"usage":{"completion_tokens":3,"prompt_tokens":32,"total_tokens":35}}"#,
         ];

@@ -14,7 +14,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use spillgate_core::capacity::{parse_headers as parse_ratelimit, Admission, Reserve};
@@ -482,10 +482,10 @@ async fn read_body(
     }
     // A client that declares a body and then trickles it (or stops) must not hold a
     // connection and its buffer forever.
-    match tokio::time::timeout(timeout, Limited::new(body, max).collect()).await {
-        Ok(Ok(c)) => Ok(c.to_bytes()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Ok(Err(_)) => Err(GatewayError::bad_request(
+    match tokio::time::timeout(timeout, collect_body(body, max)).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(BodyRead::TooLarge)) => Err(too_large()),
+        Ok(Err(BodyRead::Broken)) => Err(GatewayError::bad_request(
             "incomplete_body",
             "The request body could not be read completely.",
         )),
@@ -499,6 +499,43 @@ async fn read_body(
             ),
         )),
     }
+}
+
+/// Why a request body could not be collected.
+#[derive(Debug, PartialEq, Eq)]
+enum BodyRead {
+    /// More than the limit arrived.
+    TooLarge,
+    /// The body ended early or could not be decoded.
+    Broken,
+}
+
+/// The whole body, at most `max` bytes of data (trailers are dropped). A body that
+/// arrives as one piece, as most do, is that piece itself: nothing is copied or gathered
+/// into a list first.
+async fn collect_body(mut body: Body, max: usize) -> Result<Bytes, BodyRead> {
+    let mut whole = Bytes::new();
+    let mut joined: Option<BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(|_| BodyRead::Broken)?.into_data() else {
+            continue;
+        };
+        let len = joined.as_ref().map_or(whole.len(), BytesMut::len) + data.len();
+        if len > max {
+            return Err(BodyRead::TooLarge);
+        }
+        match &mut joined {
+            Some(j) => j.extend_from_slice(&data),
+            None if whole.is_empty() => whole = data,
+            None => {
+                let mut j = BytesMut::with_capacity(len.max(2 * whole.len()));
+                j.extend_from_slice(&whole);
+                j.extend_from_slice(&data);
+                joined = Some(j);
+            }
+        }
+    }
+    Ok(joined.map_or(whole, BytesMut::freeze))
 }
 
 fn list_models(snap: &Snapshot) -> Response {
@@ -1755,7 +1792,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 headers.remove(header::CONTENT_LENGTH);
             }
             headers.insert(HEADER_BACKEND, b.name_header.clone());
-            headers.insert(HEADER_ATTEMPTS, HeaderValue::from(attempts));
+            headers.insert(HEADER_ATTEMPTS, attempts_value(attempts));
             if let Ok(v) = HeaderValue::from_str(served_model) {
                 headers.insert(HEADER_MODEL, v);
             }
@@ -1887,9 +1924,19 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             record_request(ctx, None, err.status.as_u16());
             let mut resp = err.into_response();
             resp.headers_mut()
-                .insert(HEADER_ATTEMPTS, HeaderValue::from(attempts));
+                .insert(HEADER_ATTEMPTS, attempts_value(attempts));
             resp
         }
+    }
+}
+
+/// The attempts header's value. Nearly every request takes one attempt, so single
+/// digits are static values rather than a new allocation per response.
+fn attempts_value(attempts: u32) -> HeaderValue {
+    const DIGITS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    match DIGITS.get(attempts as usize) {
+        Some(d) => HeaderValue::from_static(d),
+        None => HeaderValue::from(attempts),
     }
 }
 
@@ -1978,6 +2025,47 @@ fn exhausted_error(ctx: &Ctx<'_>, failures: &[Outcome], now_ms: u64) -> GatewayE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn body_of(pieces: &[&'static str]) -> Body {
+        let frames: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = pieces
+            .iter()
+            .map(|p| Ok(http_body::Frame::data(Bytes::from_static(p.as_bytes()))))
+            .collect();
+        Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+            frames,
+        )))
+    }
+
+    #[tokio::test]
+    async fn bodies_are_collected_whole_and_within_their_limit() {
+        assert_eq!(collect_body(body_of(&[]), 4).await, Ok(Bytes::new()));
+        let one = collect_body(body_of(&["abcd"]), 4).await;
+        assert_eq!(one, Ok(Bytes::from_static(b"abcd")));
+        let many = collect_body(body_of(&["ab", "", "c", "d"]), 4).await;
+        assert_eq!(many, Ok(Bytes::from_static(b"abcd")));
+        assert_eq!(
+            collect_body(body_of(&["abcde"]), 4).await,
+            Err(BodyRead::TooLarge)
+        );
+        assert_eq!(
+            collect_body(body_of(&["ab", "cde"]), 4).await,
+            Err(BodyRead::TooLarge)
+        );
+        let broken = Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+            vec![
+                Ok(http_body::Frame::data(Bytes::from_static(b"ab"))),
+                Err(std::io::Error::other("cut")),
+            ],
+        )));
+        assert_eq!(collect_body(broken, 4).await, Err(BodyRead::Broken));
+    }
+
+    #[test]
+    fn attempts_values_are_their_decimal_numbers() {
+        for n in [0, 1, 9, 10, 42, u32::MAX] {
+            assert_eq!(attempts_value(n), n.to_string().as_str(), "{n}");
+        }
+    }
 
     #[test]
     fn signals_cover_every_header_the_parsers_read() {

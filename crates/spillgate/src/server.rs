@@ -74,6 +74,19 @@ fn sane_request_id(v: &http::HeaderValue) -> Option<&str> {
     .then_some(s)
 }
 
+/// A new request id: 16 random hex digits, written without a formatter (every request
+/// without an id of its own takes one). Always a valid header value.
+fn new_request_id() -> Option<http::HeaderValue> {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut n = fastrand::u64(..);
+    let mut digits = [0u8; 16];
+    for d in digits.iter_mut().rev() {
+        *d = HEX[(n & 15) as usize];
+        n >>= 4;
+    }
+    http::HeaderValue::from_bytes(&digits).ok()
+}
+
 /// Gives every request an id (the client's `x-request-id` when present and sane, else a
 /// new one), carried by every log line of the request, sent upstream and returned in
 /// `x-request-id`. Also counts the requests the gateway answers before any backend is
@@ -82,16 +95,15 @@ fn sane_request_id(v: &http::HeaderValue) -> Option<&str> {
 async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Request) -> Response {
     use tower::ServiceExt;
     use tracing::Instrument;
-    let id = match req
+    let header = match req
         .headers()
         .get(crate::proxy::HEADER_REQUEST_ID)
-        .and_then(sane_request_id)
+        .filter(|v| sane_request_id(v).is_some())
     {
-        Some(s) => s.to_string(),
-        None => format!("{:016x}", fastrand::u64(..)),
+        Some(v) => Some(v.clone()),
+        None => new_request_id(),
     };
-    // Only letters, digits and `-_.:` (checked above, or hex): always a valid value.
-    let header = http::HeaderValue::from_str(&id).ok();
+    let id = header.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-");
     let span = tracing::info_span!("req", request_id = %id);
     let Some(probes) = probes else {
         let low = crate::priority::treated_as_low(
