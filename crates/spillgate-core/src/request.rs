@@ -103,12 +103,72 @@ pub struct BodyInfo {
     pub model_span: Option<(usize, usize)>,
     /// Whether the body is a JSON object at all (only then can `model` be added).
     pub is_object: bool,
+    /// The top-level completion limits, read in the same pass (see [`Limits`]).
+    pub limits: Limits,
 }
 
-#[derive(Deserialize)]
+/// A request's top-level `max_tokens`, `max_completion_tokens`, `max_output_tokens` and
+/// `n`, in that order: each a non-negative integer, else unset (a value of another type
+/// counts as unset; of duplicates, the first counts).
+pub type Limits = [Option<u64>; 4];
+
+/// The names of [`Limits`]' members, in its order.
+pub const LIMIT_NAMES: [&str; 4] = [
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "n",
+];
+
+/// What one pass over a JSON object reads: `model` as it lies in the body, and the
+/// completion limits. Every other member is skipped (still checked to be valid JSON).
 struct Probe<'a> {
-    #[serde(borrow, default)]
     model: Option<&'a RawValue>,
+    limits: Limits,
+}
+
+impl<'de> Deserialize<'de> for Probe<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(ProbeVisitor)
+    }
+}
+
+struct ProbeVisitor;
+
+impl<'de> serde::de::Visitor<'de> for ProbeVisitor {
+    type Value = Probe<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Probe<'de>, A::Error> {
+        // `model` twice is an error, as it always was; a limit twice keeps the first.
+        let mut model: Option<Option<&'de RawValue>> = None;
+        let mut limits: [Option<Option<u64>>; 4] = [None; 4];
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            if key == "model" {
+                if model.is_some() {
+                    return Err(serde::de::Error::duplicate_field("model"));
+                }
+                model = Some(map.next_value()?);
+            } else if let Some(i) = LIMIT_NAMES.iter().position(|n| *n == key) {
+                let raw: &'de RawValue = map.next_value()?;
+                if limits[i].is_none() {
+                    // A valid JSON value (checked by the parser): only a run of digits
+                    // reads as a number, as in a serde parse into `u64` (which refuses
+                    // `-0`, `1e2` and `1.0` too).
+                    limits[i] = Some(raw.get().parse::<u64>().ok());
+                }
+            } else {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Ok(Probe {
+            model: model.flatten(),
+            limits: limits.map(Option::flatten),
+        })
+    }
 }
 
 /// Why a body could not be read for its model.
@@ -130,6 +190,7 @@ pub fn inspect_body(body: &[u8]) -> Result<BodyInfo, BodyError> {
             model: None,
             model_span: None,
             is_object: false,
+            limits: [None; 4],
         });
     }
     let probe: Probe<'_> =
@@ -139,6 +200,7 @@ pub fn inspect_body(body: &[u8]) -> Result<BodyInfo, BodyError> {
             model: None,
             model_span: None,
             is_object: true,
+            limits: probe.limits,
         });
     };
     let text = raw.get();
@@ -151,6 +213,7 @@ pub fn inspect_body(body: &[u8]) -> Result<BodyInfo, BodyError> {
         model: Some(model.into_owned()),
         model_span: span,
         is_object: true,
+        limits: probe.limits,
     })
 }
 
@@ -403,6 +466,34 @@ mod tests {
         );
         let info = inspect_body(b"{ }").unwrap();
         assert_eq!(set_model(b"{ }", &info, "m").unwrap(), br#"{"model":"m" }"#);
+    }
+
+    #[test]
+    fn limits_are_read_with_the_model() {
+        let body = br#"{"max_tokens":70,"tools":[{"n":5}],"model":"m","n":"2","max_output_tokens":1.5,"max_tokens":9}"#;
+        let info = inspect_body(body).unwrap();
+        assert_eq!(info.model.as_deref(), Some("m"));
+        // Nested members are not the request's; a string or a fraction is no limit; the
+        // first of duplicates counts.
+        assert_eq!(info.limits, [Some(70), None, None, None]);
+        let odd =
+            br#"{"max_tokens":-0,"n":-1,"max_output_tokens":1e2,"max_completion_tokens":1.0}"#;
+        assert_eq!(inspect_body(odd).unwrap().limits, [None; 4]);
+        for text in ["-0", "-1", "1e2", "1.0", "18446744073709551616"] {
+            assert!(serde_json::from_str::<u64>(text).is_err(), "{text}");
+        }
+        let info = inspect_body(br#"{"model":null,"max_completion_tokens":3,"n":2}"#).unwrap();
+        assert_eq!(
+            (info.model, info.limits),
+            (None, [None, Some(3), None, Some(2)])
+        );
+        // A repeated model stays an error, as does invalid JSON anywhere in the body.
+        for bad in [
+            &br#"{"model":"a","model":"b"}"#[..],
+            br#"{"model":"a","n":}"#,
+        ] {
+            assert!(matches!(inspect_body(bad), Err(BodyError::InvalidJson(_))));
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@ use crate::coalesce::Joined;
 use http::HeaderMap;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use serde::Deserialize;
+use spillgate_core::request::{Limits, LIMIT_NAMES};
 use tiktoken_rs::CoreBPE;
 
 /// Whether a request is treated as low priority: request priority is on (`[priority]`)
@@ -145,24 +146,26 @@ pub fn estimate_tokens(body: &[u8], operation: &str, default_max_tokens: u64) ->
 /// own: one of the wrong type counts as unset, and of duplicates the first counts. Good enough to pass over a
 /// deployment whose tracked capacity clearly cannot take the request.
 pub fn cheap_estimate(body: &[u8], operation: &str) -> u64 {
-    let prompt = (body.len() as u64).div_ceil(4);
     if operation.starts_with("embeddings") {
-        return prompt.max(1);
+        return cheap_estimate_of(body.len(), operation, [None; 4]);
     }
-    // Four numbers read with a skip-scan: this runs on every request.
-    let [max_tokens, max_completion, max_output, n] = top_level_members(
-        body,
-        [
-            b"max_tokens",
-            b"max_completion_tokens",
-            b"max_output_tokens",
-            b"n",
-        ],
-    )
-    .map(|v| {
+    // Four numbers read with a skip-scan: this runs on every request whose body was not
+    // parsed for its model.
+    let limits = top_level_members(body, LIMIT_NAMES.map(str::as_bytes)).map(|v| {
         let mut de = serde_json::Deserializer::from_slice(v?);
         u64::deserialize(&mut de).ok()
     });
+    cheap_estimate_of(body.len(), operation, limits)
+}
+
+/// [`cheap_estimate`] of a body of `len` bytes whose limits are already read (by
+/// `inspect_body`, in the pass that finds the model).
+pub fn cheap_estimate_of(len: usize, operation: &str, limits: Limits) -> u64 {
+    let prompt = (len as u64).div_ceil(4);
+    if operation.starts_with("embeddings") {
+        return prompt.max(1);
+    }
+    let [max_tokens, max_completion, max_output, n] = limits;
     let completion = max_tokens.or(max_completion).or(max_output).unwrap_or(0);
     prompt
         .saturating_add(completion.saturating_mul(n.unwrap_or(1).clamp(1, 128)))
@@ -839,6 +842,21 @@ mod tests {
             cheap_estimate(body, "embeddings"),
             (body.len() as u64).div_ceil(4)
         );
+        // Duplicates: the first counts, in both readings.
+        let twice = br#"{"max_tokens":"x","n":3,"max_tokens":9,"n":1,"max_completion_tokens":4}"#;
+        assert_eq!(
+            cheap_estimate(twice, "chat/completions"),
+            (twice.len() as u64).div_ceil(4) + 12
+        );
+        for b in [&body[..], &nested[..], &odd[..], &twice[..]] {
+            let info = spillgate_core::request::inspect_body(b).unwrap();
+            assert_eq!(
+                cheap_estimate_of(b.len(), "chat/completions", info.limits),
+                cheap_estimate(b, "chat/completions"),
+                "{}",
+                String::from_utf8_lossy(b)
+            );
+        }
         for b in [&body[..], &nested[..], &odd[..]] {
             assert_eq!(
                 cheap_estimate(b, "chat/completions"),
@@ -862,6 +880,13 @@ mod tests {
             }
             let body = serde_json::to_vec(&v).unwrap();
             proptest::prop_assert_eq!(cheap_estimate(&body, "chat/completions"), cheap_by_full_parse(&body));
+            // The limits read with the model give the same estimate.
+            if let Ok(info) = spillgate_core::request::inspect_body(&body) {
+                proptest::prop_assert_eq!(
+                    cheap_estimate_of(body.len(), "chat/completions", info.limits),
+                    cheap_by_full_parse(&body)
+                );
+            }
         }
 
         /// On any document, compact or pretty, the skip-scan reads what a full parse reads.

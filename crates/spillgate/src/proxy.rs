@@ -79,9 +79,9 @@ fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
 /// credentials, cookies, `Host` and framing headers (the client recomputes those).
 fn forward_headers(client: &HeaderMap) -> HeaderMap {
     let tokens = connection_tokens(client);
-    // Room for the credential each attempt's copy adds (the index table keeps it in the
-    // copy; `Host` is the upstream connection's).
-    let mut out = HeaderMap::with_capacity(client.len() + 1);
+    // Room for the request id and the credential each attempt adds (`Host` is the
+    // upstream connection's).
+    let mut out = HeaderMap::with_capacity(client.len() + 2);
     for (name, value) in client {
         let n = name.as_str();
         if is_hop_by_hop(name, &tokens)
@@ -344,12 +344,6 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: Option<HeaderValue>
         .into_response();
     };
 
-    let mut fwd_headers = forward_headers(&parts.headers);
-    // The backend sees the gateway's id for the request (the client's own when it sent a
-    // sane one), so the two logs can be matched.
-    if let Some(v) = request_id {
-        fwd_headers.insert(HEADER_REQUEST_ID, v);
-    }
     let mut guard = DisconnectGuard {
         model: &req.model,
         started,
@@ -357,13 +351,19 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: Option<HeaderValue>
     };
     let est_tokens = match priority {
         Some(p) => crate::priority::estimate_tokens(&body, operation, p.default_max_tokens),
-        None => crate::priority::cheap_estimate(&body, operation),
+        // The body-model shapes read the limits with the model; Azure classic paths
+        // scan for them.
+        None => match &req.body_info {
+            Some(info) => crate::priority::cheap_estimate_of(body.len(), operation, info.limits),
+            None => crate::priority::cheap_estimate(&body, operation),
+        },
     };
     let ctx = Ctx {
         app: &app,
         snap: &snap,
         method: &parts.method,
-        headers: fwd_headers,
+        client_headers: &parts.headers,
+        request_id,
         req: &req,
         body,
         route_id,
@@ -552,7 +552,10 @@ struct Ctx<'a> {
     app: &'a App,
     snap: &'a Snapshot,
     method: &'a Method,
-    headers: HeaderMap,
+    /// The client's headers; each attempt forwards the ones that may go upstream.
+    client_headers: &'a HeaderMap,
+    /// The gateway's id for the request, sent upstream as `x-request-id`.
+    request_id: Option<HeaderValue>,
     req: &'a Classified<'a>,
     body: Bytes,
     route_id: RouteId,
@@ -1639,6 +1642,7 @@ fn build_upstream_request(
                     model: None,
                     model_span: None,
                     is_object: false,
+                    limits: [None; 4],
                 }));
             }
             lazy_body_info.as_ref()
@@ -1665,26 +1669,33 @@ fn build_upstream_request(
         },
         _ => ctx.body.clone(),
     };
-    let uri = http::Uri::builder()
-        .scheme(backend.scheme.clone())
-        .authority(backend.authority.clone())
-        .path_and_query(target.path_and_query)
-        .build()?;
-    let mut builder = http::Request::builder().method(ctx.method.clone()).uri(uri);
-    if let Some(h) = builder.headers_mut() {
-        h.clone_from(&ctx.headers);
-        match bearer {
-            Some(t) => {
-                h.insert(header::AUTHORIZATION, t.header().clone());
-            }
-            None => {
-                if let Some((name, value)) = &backend.credential {
-                    h.insert(name.clone(), value.clone());
-                }
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(backend.scheme.clone());
+    uri.authority = Some(backend.authority.clone());
+    uri.path_and_query = Some(http::uri::PathAndQuery::try_from(target.path_and_query)?);
+    // Built for each attempt straight from the client's headers (a retry is rare; a
+    // filtered copy kept for all attempts was one more map to build, clone and drop).
+    let mut headers = forward_headers(ctx.client_headers);
+    // The backend sees the gateway's id for the request (the client's own when it sent a
+    // sane one), so the two logs can be matched.
+    if let Some(v) = &ctx.request_id {
+        headers.insert(HEADER_REQUEST_ID, v.clone());
+    }
+    match bearer {
+        Some(t) => {
+            headers.insert(header::AUTHORIZATION, t.header().clone());
+        }
+        None => {
+            if let Some((name, value)) = &backend.credential {
+                headers.insert(name.clone(), value.clone());
             }
         }
     }
-    Ok(builder.body(Full::new(body))?)
+    let mut req = http::Request::new(Full::new(body));
+    *req.method_mut() = ctx.method.clone();
+    *req.uri_mut() = http::Uri::from_parts(uri)?;
+    *req.headers_mut() = headers;
+    Ok(req)
 }
 
 /// Counts an answered request: by backend, status class, priority and (bounded) model;
