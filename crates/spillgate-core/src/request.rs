@@ -193,8 +193,13 @@ pub fn inspect_body(body: &[u8]) -> Result<BodyInfo, BodyError> {
             limits: [None; 4],
         });
     }
-    let probe: Probe<'_> =
-        serde_json::from_slice(body).map_err(|e| BodyError::InvalidJson(e.to_string()))?;
+    // UTF-8 checked once for the whole body (a fast pass for ASCII): the parser then
+    // skips the check of each string. A body that fails it gets the parser's own error.
+    let probe: Probe<'_> = match std::str::from_utf8(body) {
+        Ok(text) => serde_json::from_str(text),
+        Err(_) => serde_json::from_slice(body),
+    }
+    .map_err(|e| BodyError::InvalidJson(e.to_string()))?;
     let Some(raw) = probe.model else {
         return Ok(BodyInfo {
             model: None,

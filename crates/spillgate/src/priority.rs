@@ -288,51 +288,58 @@ impl Usage {
 /// end, else by [`top_level_members`] from the start (this runs on every response).
 pub fn usage_total(json: &[u8]) -> Option<u64> {
     let value = sole_top_level_usage(json).or_else(|| top_level_members(json, [b"usage"])[0])?;
-    let mut de = serde_json::Deserializer::from_slice(value);
-    Option::<Usage>::deserialize(&mut de).ok()??.total()
+    // A short rest (usage last, as models put it) is read as text when it is UTF-8:
+    // checked once, the parser then skips the check of each key. A long one is not
+    // checked whole for the few bytes the parser reads.
+    let text = (value.len() <= 1024)
+        .then(|| std::str::from_utf8(value).ok())
+        .flatten();
+    let usage = match text {
+        Some(text) => Option::<Usage>::deserialize(&mut serde_json::Deserializer::from_str(text)),
+        None => Option::<Usage>::deserialize(&mut serde_json::Deserializer::from_slice(value)),
+    };
+    usage.ok()??.total()
 }
 
-/// When `"usage"` occurs once in `json`, as a key of the top-level object: the bytes from
-/// its value to the end of `json`. Told by a scan from the end of the document back to the
-/// key, which is short: models' answers put `usage` last (Azure) or nearly (OpenAI, before
-/// `service_tier` and `system_fingerprint`), where the forward scan reads the whole
-/// answer (measured: 400 instructions less per JSON request). `None` when this cannot
-/// tell: the caller then scans from the start.
+/// When the first `"usage"` in `json` is a key of the top-level object: the bytes from
+/// its value to the end of `json`. Found by a scan from the end of the document back to
+/// the key, which is short: models' answers put `usage` last (Azure) or nearly (OpenAI,
+/// before `service_tier` and `system_fingerprint`), where the forward scan reads the whole
+/// answer. `None` when this cannot tell: the caller then scans from the start.
 fn sole_top_level_usage(json: &[u8]) -> Option<&[u8]> {
     const KEY: &[u8] = USAGE_NAME;
     static FIRST: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
-    static LAST: std::sync::LazyLock<memchr::memmem::FinderRev<'static>> =
-        std::sync::LazyLock::new(|| memchr::memmem::FinderRev::new(KEY));
-    let at = FIRST.find(json)?;
-    if LAST.rfind(json)? != at || escaped(json, at) {
-        return None;
-    }
-    let after = at + KEY.len();
-    // From the end back to the key: outside every string, inside exactly one object or
-    // array (the top-level one). A quote is a string's edge unless an odd number of
-    // backslashes precede it; a string is stepped over from its closing quote to its
-    // opening one with `memrchr`, not byte by byte.
+    // From the end: outside strings, counting how deep in objects and arrays. A quote is
+    // a string's edge unless an odd number of backslashes precede it; a string is stepped
+    // over from its closing quote to its opening one with `memrchr`, not byte by byte.
     let mut depth = 0usize;
     let mut i = json.len();
-    while i > after {
+    while i > 0 {
         i -= 1;
         match json[i] {
-            b'"' if !escaped(json, i) => loop {
-                i = after + memchr::memrchr(b'"', &json[after..i])?;
-                if !escaped(json, i) {
-                    break;
+            b'"' if !escaped(json, i) => {
+                let close = i;
+                loop {
+                    i = memchr::memrchr(b'"', &json[..i])?;
+                    if !escaped(json, i) {
+                        break;
+                    }
                 }
-            },
+                // A key of the top-level object, and no `"usage"` anywhere before it (so
+                // no earlier member of that name either: the first one counts).
+                if depth == 1 && &json[i..=close] == KEY {
+                    if let Some(value) = member_value(&json[close + 1..]) {
+                        return (FIRST.find(json)? == i).then_some(value);
+                    }
+                }
+            }
             b'}' | b']' => depth += 1,
             b'{' | b'[' => depth = depth.checked_sub(1)?,
             _ => {}
         }
     }
-    if depth != 1 {
-        return None;
-    }
-    member_value(&json[after..])
+    None
 }
 
 /// After a string, what follows its `:` when it is a member's key (whitespace allowed
@@ -752,8 +759,10 @@ mod tests {
             r#"{"a":{"usage":{"total_tokens":1}}}"#,
             r#"{"a":"usage"}"#,
             r#"{"a":"x\"usage\":1"}"#,
-            r#"{"usage":{"total_tokens":1},"b":{"usage":{"total_tokens":2}}}"#,
             r#"[{"usage":{"total_tokens":1}}]"#,
+            // The last top-level one is not the first.
+            r#"{"usage":{"total_tokens":1},"usage":{"total_tokens":2}}"#,
+            r#"{"a":"usage","usage":{"total_tokens":2}}"#,
             r#"{"a":"\"usage"}"#,
         ];
         for json in not_found {
@@ -761,9 +770,13 @@ mod tests {
         }
         // Two of them: the first counts, as in a scan from the start.
         assert_eq!(
-            usage_total(br#"{"usage":{"total_tokens":1},"b":{"usage":{"total_tokens":2}}}"#),
+            usage_total(br#"{"usage":{"total_tokens":1},"usage":{"total_tokens":2}}"#),
             Some(1)
         );
+        // A nested one after the top-level one is passed over from the end.
+        let nested_after = br#"{"usage":{"total_tokens":1},"b":{"usage":{"total_tokens":2}}}"#;
+        assert!(sole_top_level_usage(nested_after).is_some());
+        assert_eq!(usage_total(nested_after), Some(1));
     }
 
     fn json_value() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
