@@ -812,28 +812,42 @@ impl<R: Release> Body<R> {
 }
 
 /// The size of a chunk from its line (hex digits, then optional extensions; CRLF).
+/// Read digit by digit (this runs for every chunk of every stream): leading zeros are
+/// fine, more than a u64 holds is an error.
 fn chunk_size(line: &[u8]) -> Result<u64, Error> {
+    let invalid = || Error::new("invalid chunk size");
     let line = line
         .strip_suffix(b"\r")
         .ok_or_else(|| Error::new("chunk-size line not ended by CRLF"))?;
-    let digits = line
-        .iter()
-        .position(|b| !b.is_ascii_hexdigit())
-        .unwrap_or(line.len());
+    let mut size = 0u64;
+    let mut digits = 0;
+    for &b in line {
+        let d = match b {
+            b'0'..=b'9' => b - b'0',
+            b'a'..=b'f' => b - b'a' + 10,
+            b'A'..=b'F' => b - b'A' + 10,
+            _ => break,
+        };
+        size = size
+            .checked_mul(16)
+            .and_then(|s| s.checked_add(u64::from(d)))
+            .ok_or_else(invalid)?;
+        digits += 1;
+    }
+    if digits == 0 {
+        return Err(invalid());
+    }
     // Then spaces or tabs only, up to the end or to extensions (no bare CR in them).
     let rest = &line[digits..];
     let after = &rest[rest
         .iter()
         .position(|b| !matches!(b, b' ' | b'\t'))
         .unwrap_or(rest.len())..];
-    let ends = (after.is_empty() || after.starts_with(b";")) && !after.contains(&b'\r');
-    // Hex digits only (so no sign for `from_str_radix` to take); leading zeros are fine,
-    // more than a u64 holds is an error.
-    std::str::from_utf8(&line[..digits])
-        .ok()
-        .filter(|d| !d.is_empty() && ends)
-        .and_then(|d| u64::from_str_radix(d, 16).ok())
-        .ok_or_else(|| Error::new("invalid chunk size"))
+    if (after.is_empty() || after.starts_with(b";")) && !after.contains(&b'\r') {
+        Ok(size)
+    } else {
+        Err(invalid())
+    }
 }
 
 impl<R: Release> http_body::Body for Body<R> {
@@ -1506,6 +1520,8 @@ mod tests {
         assert_eq!(chunk_size(b"ffffffffffffffff\r").unwrap(), u64::MAX);
         assert_eq!(chunk_size(b"000000000000000000001a\r").unwrap(), 26);
         assert_eq!(chunk_size(b"00000000000000000000\r").unwrap(), 0);
+        assert_eq!(chunk_size(b"aF09\t\r").unwrap(), 0xaf09);
+        assert_eq!(chunk_size(b"0;last\r").unwrap(), 0);
         for bad in [
             &b"\r"[..],
             b"g\r",
@@ -1516,6 +1532,9 @@ mod tests {
             b"5\r\r",
             b"5\x0c\r",
             b"5;a\rb\r",
+            b"0x1\r",
+            b" 1\r",
+            b";\r",
         ] {
             assert!(chunk_size(bad).is_err(), "{}", String::from_utf8_lossy(bad));
         }
