@@ -885,6 +885,8 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
 pub const DEFAULT_MAX_HEADER_BYTES: u64 = 64 * 1024;
 pub const DEFAULT_MAX_HEADERS: u64 = 100;
+/// The most `server.max_headers` may be set to.
+pub const MAX_HEADERS_LIMIT: u64 = 1000;
 
 impl Default for Timeouts {
     fn default() -> Self {
@@ -1712,7 +1714,7 @@ fn validate(
             file.server.max_headers,
             DEFAULT_MAX_HEADERS,
             8,
-            1000,
+            MAX_HEADERS_LIMIT,
             "server.max_headers",
             &mut errors,
         ),

@@ -14,16 +14,15 @@ fn openssl(dir: &Path, args: &[&str]) -> bool {
 }
 
 /// Writes a test CA (`ca.crt`, `ca.key`) and a certificate for 127.0.0.1 signed by it
-/// (`server.crt`, `server.key`) into `dir`, with the `openssl` command; false when the
-/// command is missing or fails. Valid for a day.
-pub fn test_certificates(dir: &Path) -> bool {
+/// (`server.crt`, `server.key`) into `dir`, with the `openssl` command; `Ok(false)` when
+/// the command is missing or fails, an error when `dir` cannot be written. Valid for a
+/// day.
+pub fn test_certificates(dir: &Path) -> std::io::Result<bool> {
     std::fs::write(
         dir.join("ext.cnf"),
         "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
-    )
-    .is_ok()
-        &&
-    openssl(
+    )?;
+    Ok(openssl(
         dir,
         &[
             "req",
@@ -73,5 +72,5 @@ pub fn test_certificates(dir: &Path) -> bool {
             "-extfile",
             "ext.cnf",
         ],
-    )
+    ))
 }

@@ -7,7 +7,7 @@
 //! lock, and a reload can swap it while in-flight requests finish on the old one.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -442,10 +442,7 @@ impl App {
         let until_ms = now.saturating_add(spillgate_core::outcome::millis(d));
         let cooled = {
             // Held while cooling, so `obtained` sees the cooldown and its record together.
-            let mut refused = self
-                .refused_token
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut refused = crate::lock(&self.refused_token);
             refused.retain(|_, (state, until)| *until > now && state.strong_count() > 0);
             let cooled = backend.state.cool_at(
                 Cooldown {
@@ -506,10 +503,7 @@ impl CredentialEvents for AppEvents {
         let Some(app) = self.0.upgrade() else { return };
         let now = app.clock.now_ms();
         let snap = app.snapshot.load();
-        let refused = app
-            .refused_token
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let refused = crate::lock(&app.refused_token);
         for b in snap.backends.iter().filter(|b| b.uses(source)) {
             let refusing = refused.get(&b.cfg.name).is_some_and(|(state, until)| {
                 *until > now && std::ptr::eq(state.as_ptr(), Arc::as_ptr(&b.state))

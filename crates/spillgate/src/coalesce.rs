@@ -4,7 +4,8 @@
 //! whose 100 chunks arrived in one read from the backend cost 100 writes to the client
 //! (100 syscalls, 100 wakeups of the reader) where a plain proxy writes what it read in
 //! one go. Here the chunks a body gives at once are gathered: an HTTP/1.1 body
-//! ([`crate::h1`]) decodes the chunks it has read in one poll. hyper's HTTP/2 bodies hand
+//! ([`crate::h1`]) gives the chunks it has already read, one per poll, without waiting.
+//! hyper's HTTP/2 bodies hand
 //! chunks over from their connection task through a channel, one per turn of the
 //! scheduler, so after a chunk the body also gives that task scheduler turns to hand over
 //! the next; the gathered bytes go out as soon as two turns in a row bring nothing. A stream whose chunks are spaced in time
@@ -25,9 +26,11 @@ const MAX_GATHER: usize = 64 * 1024;
 /// Scheduler turns given to the upstream connection for one gathered frame.
 const MAX_TURNS: u32 = 256;
 /// Turns without a new chunk before the gathered bytes go out. A hyper connection task
-/// hands the next chunk over in the second turn after the last was taken (measured with
-/// hyper's HTTP/1.1 client, which also worked that way: with one turn nothing was ever
-/// gathered), so one empty turn is waited for.
+/// (HTTP/2 to backends) hands the next chunk over in the second turn after the last was
+/// taken (measured with hyper's HTTP/1.1 client, replaced since by [`crate::h1`], whose
+/// connection task worked the same way: with one turn nothing was ever gathered), so one
+/// empty turn is waited for. An [`crate::h1`] body that is pending has nothing more to
+/// give, so for it the turn brings nothing; it is spent for every body alike.
 const PATIENCE: u32 = 1;
 
 enum Held<E> {

@@ -35,7 +35,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
@@ -49,6 +49,7 @@ use spillgate_core::config::{EntraAuth, EntraCredential, ManagedIdentityId, Secr
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
+use crate::lock;
 use crate::upstream::{AttemptError, Upstream};
 
 /// Tokens are renewed this long before they expire (when they live long enough).
@@ -263,12 +264,6 @@ impl Drop for TokenSource {
             task.abort();
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section leaves the data consistent: a panic elsewhere must not
-    // take token renewal down with it.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The wait before the `n`th retry in a row: 1 s, 2 s, 4 s, ... up to a minute.

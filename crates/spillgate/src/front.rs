@@ -4,8 +4,8 @@
 //! long as the connection was open, 80 MB of the gateway's memory at 5,000 open streams,
 //! and copied each response through its write buffer. Here a request head is parsed with
 //! httparse into a read buffer that is let go of once the request is read (an open stream
-//! holds none), header values share the head's bytes, and a response goes out in one
-//! `writev` of its head and first data.
+//! holds none), header values share the head's bytes, and a response's head goes out in
+//! one `writev` with its first data when the body has that ready (else alone, at once).
 //!
 //! Each connection is one task: it reads a head, calls the service, and polls the
 //! service's future itself. The request body reads the same socket when the service
@@ -21,7 +21,7 @@ use std::future::{poll_fn, Future};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -34,7 +34,8 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::errors::GatewayError;
-use crate::h1::{self, Chunk, Framing, Part, Span, Step};
+use crate::h1::{self, Chunk, Framing, Part, Step};
+use crate::lock;
 
 /// What a client may send, and how long it has.
 #[derive(Debug, Clone, Copy)]
@@ -50,9 +51,7 @@ pub struct Limits {
 }
 
 /// Header slots for the most `server.max_headers` allows.
-const HEADER_SLOTS: usize = 1000;
-/// Heads with up to this many headers note where they lie on the stack.
-const SMALL_HEAD: usize = 64;
+const HEADER_SLOTS: usize = spillgate_core::config::MAX_HEADERS_LIMIT as usize;
 /// How long a closing connection reads what the client still sends, and how much.
 const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 256 * 1024;
@@ -92,11 +91,8 @@ enum Continue {
 
 type Shared = Arc<Mutex<Input>>;
 
-/// The read side. Never held across an await, nor while the other side runs; a panic
-/// while it was held has already ended the connection's task.
-fn lock(shared: &Shared) -> MutexGuard<'_, Input> {
-    shared.lock().unwrap_or_else(PoisonError::into_inner)
-}
+// The read side is locked with [`crate::lock`]: never across an await, nor while the
+// other side runs; a panic while it was held has already ended the connection's task.
 
 impl Input {
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
@@ -241,29 +237,15 @@ fn parse_head(
     };
     let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
         .map_err(|_| GatewayError::bad_request("invalid_request_head", "Invalid method."))?;
-    let version = match req.version {
-        Some(0) => Version::HTTP_10,
-        _ => Version::HTTP_11,
-    };
+    let version = h1::version(req.version);
+    // Where the target lies, to cut it from the head once it is taken off the buffer.
     let path = Part::of(buf, req.path.unwrap_or_default().as_bytes());
-    // Where each header lies, to cut the values from the head once it is taken off the
-    // buffer.
-    let count = req.headers.len();
-    let mut small = [Span::default(); SMALL_HEAD];
-    let mut large = Vec::new();
-    let spans = if count <= SMALL_HEAD {
-        &mut small[..count]
-    } else {
-        large.resize(count, Span::default());
-        &mut large[..]
-    };
-    h1::record_spans(buf, req.headers, spans);
-    let head = buf.split_to(len).freeze();
+    let spans = h1::HeadSpans::record(buf, req.headers);
+    let (head, headers) = spans.take(buf, len, 0).map_err(|why| {
+        GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
+    })?;
     let uri = Uri::from_maybe_shared(head.slice(path.range())).map_err(|_| {
         GatewayError::bad_request("invalid_request_head", "Invalid request target.")
-    })?;
-    let headers = h1::header_map(&head, spans, 0).map_err(|why| {
-        GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
     })?;
     let mut req = http::Request::new(());
     *req.method_mut() = method;
@@ -322,7 +304,7 @@ pub async fn serve<S, B>(
     stream: TcpStream,
     mut service: S,
     limits: Limits,
-    mut stopped: watch::Receiver<bool>,
+    stopped: watch::Receiver<bool>,
 ) where
     S: tower::Service<http::Request<RequestBody>, Response = http::Response<B>, Error = Infallible>,
     B: http_body::Body<Data = Bytes> + Unpin,
@@ -410,11 +392,7 @@ pub async fn serve<S, B>(
             Ok(f) => f,
             Err(e) => return refuse(out, &shared, e, (&method, version)).await,
         };
-        let hint = match framing {
-            Framing::Length(n) => SizeHint::with_exact(n),
-            Framing::Done => SizeHint::with_exact(0),
-            _ => SizeHint::default(),
-        };
+        let hint = framing.size_hint();
         let expects_continue = version == Version::HTTP_11
             && head
                 .headers()
@@ -471,7 +449,7 @@ pub async fn serve<S, B>(
         let Some(resp) = answered else {
             return;
         };
-        let keep_alive = keep_alive && !*stopped.borrow_and_update();
+        let keep_alive = keep_alive && !*stopped.borrow();
         match respond(&mut out, &shared, resp, (&method, version), keep_alive).await {
             Ok(true) => {}
             Ok(false) => return close(out, &shared).await,
@@ -726,7 +704,7 @@ fn encode_head(
             || *name == header::CONNECTION
             || *name == header::CONTENT_LENGTH;
         if !framing_header {
-            h1::header_line(out, name.as_str(), value);
+            h1::header_line(out, name, value);
         }
     }
     if !parts.headers.contains_key(header::DATE) {
@@ -735,9 +713,7 @@ fn encode_head(
         out.extend_from_slice(b"\r\n");
     }
     if let Some(n) = length {
-        out.extend_from_slice(b"content-length: ");
-        out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
-        out.extend_from_slice(b"\r\n");
+        h1::length_line(out, n);
     }
     if chunked {
         out.extend_from_slice(b"transfer-encoding: chunked\r\n");

@@ -10,8 +10,9 @@
 //! the chunks cut from it; an empty one is let go of before a read (see [`poll_fill`]),
 //! so a connection waiting between two events holds none.
 //!
-//! The client side ([`crate::front`]) reads and decodes request bodies with the same
-//! pieces: [`poll_fill`], [`decode`], [`header_map`] and [`content_length`].
+//! The client side ([`crate::front`]) reads heads and decodes request bodies with the
+//! same pieces: [`poll_fill`], [`HeadSpans`], [`decode`] and [`Framing`],
+//! [`content_length`], and the `Connection` token checks.
 //!
 //! What it does not do, because the gateway never needs it: send a streamed request
 //! body, pipeline, or upgrade. A request is sent again elsewhere only when not a byte of
@@ -389,25 +390,31 @@ fn encode_head(
     out.extend_from_slice(b" HTTP/1.1\r\n");
     let headers = &req.headers;
     if let (Some(host), false) = (host, headers.contains_key(header::HOST)) {
-        header_line(out, header::HOST.as_str(), host);
+        header_line(out, &header::HOST, host);
     }
     for (name, value) in headers {
         if name != header::CONTENT_LENGTH && name != header::TRANSFER_ENCODING {
-            header_line(out, name.as_str(), value);
+            header_line(out, name, value);
         }
     }
     if body_len > 0 || !matches!(req.method, Method::GET | Method::HEAD) {
-        out.extend_from_slice(b"content-length: ");
-        out.extend_from_slice(itoa::Buffer::new().format(body_len).as_bytes());
-        out.extend_from_slice(b"\r\n");
+        length_line(out, body_len as u64);
     }
     out.extend_from_slice(b"\r\n");
 }
 
-pub(crate) fn header_line(out: &mut Vec<u8>, name: &str, value: &HeaderValue) {
-    out.extend_from_slice(name.as_bytes());
+/// A header line of a head being written.
+pub(crate) fn header_line(out: &mut Vec<u8>, name: &HeaderName, value: &HeaderValue) {
+    out.extend_from_slice(name.as_str().as_bytes());
     out.extend_from_slice(b": ");
     out.extend_from_slice(value.as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// The `content-length` line of a head being written.
+pub(crate) fn length_line(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(b"content-length: ");
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
     out.extend_from_slice(b"\r\n");
 }
 
@@ -446,23 +453,81 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
         .code
         .and_then(|c| StatusCode::from_u16(c).ok())
         .ok_or_else(|| Error::new("invalid response status"))?;
-    let version = match resp.version {
-        Some(0) => Version::HTTP_10,
-        _ => Version::HTTP_11,
-    };
-    // Where each name and value lies in the head, to cut the values from it once it is
-    // taken off the buffer.
-    let mut spans = [Span::default(); MAX_HEADERS];
-    let count = resp.headers.len();
-    record_spans(buf, resp.headers, &mut spans);
-    let head = buf.split_to(len).freeze();
-    let headers = header_map(&head, &spans[..count], RESPONSE_HEADROOM)
+    let version = version(resp.version);
+    let spans = HeadSpans::record(buf, resp.headers);
+    let (_, headers) = spans
+        .take(buf, len, RESPONSE_HEADROOM)
         .map_err(|why| Error::new(format!("{why} in the response")))?;
     Ok(Some(Head {
         status,
         version,
         headers,
     }))
+}
+
+/// The version httparse read (`1` for HTTP/1.1, `0` for HTTP/1.0).
+pub(crate) fn version(minor: Option<u8>) -> Version {
+    match minor {
+        Some(0) => Version::HTTP_10,
+        _ => Version::HTTP_11,
+    }
+}
+
+/// Heads with at most this many headers keep their spans on the stack.
+const SMALL_HEAD: usize = 64;
+
+/// Where each header of a parsed head lies in it, recorded while httparse's slices borrow
+/// the buffer, so that the head can be taken off the buffer afterwards and its values cut
+/// from it. On the stack for a head of up to [`SMALL_HEAD`] headers.
+pub(crate) struct HeadSpans {
+    small: [Span; SMALL_HEAD],
+    large: Vec<Span>,
+    count: usize,
+}
+
+impl HeadSpans {
+    /// Records where each of `parsed` (slices of `head`) lies in it.
+    pub(crate) fn record(head: &[u8], parsed: &[httparse::Header<'_>]) -> HeadSpans {
+        let mut spans = HeadSpans {
+            small: [Span::default(); SMALL_HEAD],
+            large: Vec::new(),
+            count: parsed.len(),
+        };
+        if parsed.len() > SMALL_HEAD {
+            spans.large.resize(parsed.len(), Span::default());
+        }
+        let slots = if spans.large.is_empty() {
+            &mut spans.small[..parsed.len()]
+        } else {
+            &mut spans.large[..]
+        };
+        for (span, h) in slots.iter_mut().zip(parsed) {
+            *span = Span {
+                name: Part::of(head, h.name.as_bytes()),
+                value: Part::of(head, h.value),
+            };
+        }
+        spans
+    }
+
+    /// Takes the head, its first `len` bytes, off `buf`: its bytes, and its headers as a
+    /// map with room for `extra` more, the values sharing the head's bytes (no copy). The
+    /// error says what was wrong, naming no value.
+    pub(crate) fn take(
+        &self,
+        buf: &mut BytesMut,
+        len: usize,
+        extra: usize,
+    ) -> Result<(Bytes, HeaderMap), String> {
+        let spans = if self.large.is_empty() {
+            &self.small[..self.count]
+        } else {
+            &self.large[..]
+        };
+        let head = buf.split_to(len).freeze();
+        let headers = header_map(&head, spans, extra)?;
+        Ok((head, headers))
+    }
 }
 
 /// Room left in a response's header map for the headers the gateway adds before the
@@ -491,24 +556,14 @@ impl Part {
 
 /// Where a header's name and value lie in its head.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Span {
+struct Span {
     name: Part,
     value: Part,
 }
 
-/// Records where each of `parsed` (slices of `head`) lies in it, in `spans`.
-pub(crate) fn record_spans(head: &[u8], parsed: &[httparse::Header<'_>], spans: &mut [Span]) {
-    for (span, h) in spans.iter_mut().zip(parsed) {
-        *span = Span {
-            name: Part::of(head, h.name.as_bytes()),
-            value: Part::of(head, h.value),
-        };
-    }
-}
-
 /// The headers at `spans` of `head`, with room for `extra` more; their values share its
 /// bytes. The error says what was wrong, naming no value.
-pub(crate) fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<HeaderMap, String> {
+fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<HeaderMap, String> {
     let mut headers = HeaderMap::with_capacity(spans.len() + extra);
     for span in spans {
         let name = head
@@ -522,17 +577,28 @@ pub(crate) fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<H
     Ok(headers)
 }
 
-/// How a response body ends.
+/// How a body ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Framing {
     /// This many bytes are left.
     Length(u64),
     /// Chunked, at this point of the encoding.
     Chunked(Chunk),
-    /// Ends when the backend closes the connection.
+    /// Ends when the backend closes the connection (responses only).
     Close,
     /// Ended.
     Done,
+}
+
+impl Framing {
+    /// What is known of the length still to come.
+    pub(crate) fn size_hint(self) -> SizeHint {
+        match self {
+            Framing::Length(n) => SizeHint::with_exact(n),
+            Framing::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -586,7 +652,9 @@ pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'stati
     let mut length = None;
     for v in headers.get_all(header::CONTENT_LENGTH) {
         for part in v.as_bytes().split(|&b| b == b',') {
-            let n = decimal(trim_blanks(part)).ok_or("invalid content-length")?;
+            // A header value holds no control byte but tab: trimming ASCII whitespace
+            // trims spaces and tabs.
+            let n = decimal(part.trim_ascii()).ok_or("invalid content-length")?;
             if length.is_some_and(|l| l != n) {
                 return Err("conflicting content-length values");
             }
@@ -594,17 +662,6 @@ pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'stati
         }
     }
     Ok(length)
-}
-
-/// `part` without the spaces and tabs around it.
-fn trim_blanks(mut part: &[u8]) -> &[u8] {
-    while let [b' ' | b'\t', rest @ ..] = part {
-        part = rest;
-    }
-    while let [rest @ .., b' ' | b'\t'] = part {
-        part = rest;
-    }
-    part
 }
 
 /// A non-empty run of ASCII digits as a number (`None` for anything else or past
@@ -628,17 +685,21 @@ pub(crate) fn connection_has(headers: &HeaderMap, token: &str) -> bool {
         .any(|v| has_token(v, token))
 }
 
-fn has_token(v: &HeaderValue, token: &str) -> bool {
-    v.as_bytes()
-        .split(|&b| b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+/// The comma-separated tokens of `v`, without the spaces around them.
+fn tokens(v: &HeaderValue) -> impl DoubleEndedIterator<Item = &[u8]> {
+    v.as_bytes().split(|&b| b == b',').map(<[u8]>::trim_ascii)
 }
 
+/// Whether the comma-separated value `v` lists `token` (case ignored).
+pub(crate) fn has_token(v: &HeaderValue, token: &str) -> bool {
+    tokens(v).any(|t| t.eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// Whether the last token of the comma-separated value `v` is `token` (case ignored).
 pub(crate) fn last_token_is(v: &HeaderValue, token: &str) -> bool {
-    v.as_bytes()
-        .rsplit(|&b| b == b',')
-        .next()
-        .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+    tokens(v)
+        .next_back()
+        .is_some_and(|t| t.eq_ignore_ascii_case(token.as_bytes()))
 }
 
 /// Where a connection goes when a response body has ended and it can carry another
@@ -896,11 +957,7 @@ impl<R: Release> http_body::Body for Body<R> {
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self.framing {
-            Framing::Length(n) => SizeHint::with_exact(n),
-            Framing::Done => SizeHint::with_exact(0),
-            _ => SizeHint::default(),
-        }
+        self.framing.size_hint()
     }
 }
 
@@ -1297,10 +1354,9 @@ mod tests {
             (b"2\nok\r\n", "not ended by CRLF"),
             (b"0\r\n\n", "trailer line not ended by CRLF"),
         ] {
-            let (conn, mut server) = pair();
             let mut response = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
             response.extend_from_slice(framing);
-            let (resp, back) = exchange(conn, &mut server, post("{}"), &response).await;
+            let (resp, back, _server) = respond(&response).await;
             let e = read_all(resp.unwrap().into_body()).await.unwrap_err();
             assert!(e.to_string().contains(want), "{e} / {want}");
             assert!(back.take().is_none());
@@ -1389,23 +1445,21 @@ mod tests {
 
     #[tokio::test]
     async fn response_heads_have_limits() {
-        let (conn, mut server) = pair();
         // One header line longer than the limit, never ended: it is the head's size that
         // stops it, not its count of headers.
         let mut big = b"HTTP/1.1 200 OK\r\nx-filler: ".to_vec();
         big.resize(MAX_HEAD + 4096, b'a');
-        let (resp, _) = exchange(conn, &mut server, post("{}"), &big).await;
+        let (resp, _, _server) = respond(&big).await;
         match resp {
             Err(SendError::Failed(e)) => assert!(e.to_string().contains("over 64 KiB"), "{e}"),
             _ => panic!("accepted"),
         }
-        let (conn, mut server) = pair();
         let mut many = b"HTTP/1.1 200 OK\r\n".to_vec();
         for i in 0..=MAX_HEADERS {
             many.extend_from_slice(format!("x-h{i}: v\r\n").as_bytes());
         }
         many.extend_from_slice(b"\r\n");
-        let (resp, _) = exchange(conn, &mut server, post("{}"), &many).await;
+        let (resp, _, _server) = respond(&many).await;
         match resp {
             Err(SendError::Failed(e)) => {
                 assert!(e.to_string().contains("more than 128 headers"), "{e}")

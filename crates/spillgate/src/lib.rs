@@ -30,6 +30,14 @@ pub mod upstream;
 mod test_logs;
 
 use spillgate_core::config::{Config, ConfigErrors};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// Locks `m`; a poisoned lock (a panic while it was held) is used as it is. Every
+/// critical section of the gateway leaves its data consistent, and none is held across
+/// an await: a panic in one request must not take the others down with it.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// Loads a config file's text, resolving `env:` secrets from the process environment and
 /// `file:` secrets from disk.

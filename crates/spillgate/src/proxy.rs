@@ -31,6 +31,7 @@ use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::entra::{BearerToken, Refusal, TokenError};
 use crate::errors::GatewayError;
+use crate::h1;
 use crate::metrics::{Label, Labels};
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
 use crate::store::{ProbeClaim, StateStore, StoreBudget};
@@ -58,33 +59,29 @@ const HOP_BY_HOP: [&str; 8] = [
     "transfer-encoding",
 ];
 
-fn is_hop_by_hop(name: &HeaderName, connection_tokens: &[String]) -> bool {
+/// Whether `name` is hop-by-hop: one of [`HOP_BY_HOP`], `upgrade`, or a name the
+/// `Connection` values (`connection`) list.
+fn is_hop_by_hop(name: &HeaderName, connection: &[&HeaderValue]) -> bool {
     let n = name.as_str();
-    HOP_BY_HOP.contains(&n) || n == "upgrade" || connection_tokens.iter().any(|t| t == n)
+    HOP_BY_HOP.contains(&n) || n == "upgrade" || connection.iter().any(|v| h1::has_token(v, n))
 }
 
-/// Header names listed in `Connection:` are hop-by-hop too.
-fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
-        .filter(|t| !t.is_empty())
-        .collect()
+/// The `Connection` values of `headers`, whose tokens [`is_hop_by_hop`] reads (no
+/// allocation when there are none, as in most requests and responses).
+fn connection_values(headers: &HeaderMap) -> Vec<&HeaderValue> {
+    headers.get_all(header::CONNECTION).iter().collect()
 }
 
 /// The client's headers as they go upstream: without hop-by-hop headers, the client's
 /// credentials, cookies, `Host` and framing headers (the client recomputes those).
 fn forward_headers(client: &HeaderMap) -> HeaderMap {
-    let tokens = connection_tokens(client);
+    let connection = connection_values(client);
     // Room for the request id and the credential each attempt adds (`Host` is the
     // upstream connection's).
     let mut out = HeaderMap::with_capacity(client.len() + 2);
     for (name, value) in client {
         let n = name.as_str();
-        if is_hop_by_hop(name, &tokens)
+        if is_hop_by_hop(name, &connection)
             || CLIENT_CREDENTIAL_HEADERS.contains(&n)
             || matches!(n, "host" | "content-length" | "expect" | "cookie")
             || CLIENT_ONLY_HEADERS.contains(&n)
@@ -116,13 +113,14 @@ const BACKEND_ONLY_HEADERS: [&str; 3] = ["openai-organization", "openai-project"
 /// built (removals move the last header into the gap, so the order may change). `extra`
 /// is room for the headers the gateway adds.
 fn response_headers(mut headers: HeaderMap, extra: usize) -> HeaderMap {
-    let tokens = connection_tokens(&headers);
-    let mut unwanted: Vec<HeaderName> = Vec::new();
-    for name in headers.keys() {
-        if is_hop_by_hop(name, &tokens) || BACKEND_ONLY_HEADERS.contains(&name.as_str()) {
-            unwanted.push(name.clone());
-        }
-    }
+    let connection = connection_values(&headers);
+    let unwanted: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| {
+            is_hop_by_hop(name, &connection) || BACKEND_ONLY_HEADERS.contains(&name.as_str())
+        })
+        .cloned()
+        .collect();
     for name in &unwanted {
         headers.remove(name);
     }

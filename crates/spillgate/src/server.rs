@@ -20,7 +20,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use http::StatusCode;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{watch, Semaphore};
 
 use crate::app::App;
 
@@ -64,14 +64,13 @@ where
     }
 }
 
-/// A request id the client sent, if it is safe to echo and log.
-fn sane_request_id(v: &http::HeaderValue) -> Option<&str> {
-    let s = v.to_str().ok()?;
-    (!s.is_empty()
-        && s.len() <= 128
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':')))
-    .then_some(s)
+/// Whether a request id the client sent is safe to echo and log.
+fn sane_request_id(v: &http::HeaderValue) -> bool {
+    let b = v.as_bytes();
+    !b.is_empty()
+        && b.len() <= 128
+        && b.iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
 }
 
 /// A new request id: 16 random hex digits, written without a formatter (every request
@@ -98,7 +97,7 @@ async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Reques
     let header = match req
         .headers()
         .get(crate::proxy::HEADER_REQUEST_ID)
-        .filter(|v| sane_request_id(v).is_some())
+        .filter(|v| sane_request_id(v))
     {
         Some(v) => Some(v.clone()),
         None => new_request_id(),
@@ -251,8 +250,10 @@ pub async fn start_on(
     let (stop, stopped) = watch::channel(false);
     crate::health::spawn(&app);
     app.start_store();
-    // Each connection holds a sender: the drain ends when the last one is gone.
-    let (live, mut drained) = mpsc::channel::<()>(1);
+    // Each connection holds a permit: past the limit, new connections wait (see
+    // `Accept::run`) instead of exhausting memory and file descriptors; and the drain
+    // ends when every permit is back.
+    let permits = Arc::new(Semaphore::new(server_cfg.max_connections));
     let accept = Accept {
         limits: crate::front::Limits {
             max_head: server_cfg.max_header_bytes,
@@ -260,10 +261,7 @@ pub async fn start_on(
             header_timeout,
         },
         service: router(Arc::clone(&app)),
-        live,
-        // Each connection holds a permit: past the limit, new connections wait (see
-        // `Accept::run`) instead of exhausting memory and file descriptors.
-        permits: Arc::new(Semaphore::new(server_cfg.max_connections)),
+        permits: Arc::clone(&permits),
         stopped,
     };
     let mut loops = Vec::new();
@@ -294,9 +292,11 @@ pub async fn start_on(
             drain_timeout_ms = server_cfg.drain_timeout.as_millis() as u64,
             "draining in-flight requests"
         );
-        // Every loop has ended (dropping its sender): what is left are the connections'.
-        // Idle ones close at once; the others after the response in progress.
-        if tokio::time::timeout(server_cfg.drain_timeout, drained.recv())
+        // Every loop has ended: the permits still out are the open connections'. Idle
+        // ones close at once; the others after the response in progress. (The limit is
+        // at most 1,000,000 by the config's bounds.)
+        let all = u32::try_from(server_cfg.max_connections).unwrap_or(u32::MAX);
+        if tokio::time::timeout(server_cfg.drain_timeout, permits.acquire_many(all))
             .await
             .is_err()
         {
@@ -340,8 +340,7 @@ fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpL
 struct Accept {
     limits: crate::front::Limits,
     service: Gateway,
-    /// Held by each connection until it ends.
-    live: mpsc::Sender<()>,
+    /// One held by each connection until it ends.
     permits: Arc<Semaphore>,
     stopped: watch::Receiver<bool>,
 }
@@ -383,13 +382,9 @@ impl Accept {
                 self.limits,
                 self.stopped.clone(),
             );
-            let live = self.live.clone();
             // A combinator rather than an `async` block: the task holds the connection
             // once (a block also kept what it was built from), for as long as it is open.
-            tokio::spawn(conn.map(move |()| {
-                drop(permit);
-                drop(live);
-            }));
+            tokio::spawn(conn.map(move |()| drop(permit)));
         }
     }
 }

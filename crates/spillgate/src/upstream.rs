@@ -27,6 +27,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use spillgate_core::config::Timeouts;
 
 use crate::h1;
+use crate::lock;
 use tokio::time::Instant;
 
 /// Why an attempt got no response.
@@ -318,13 +319,6 @@ async fn send_on(
     }
 }
 
-/// The pool's lock; a poisoned one (a panic while held, which the pool code cannot
-/// cause) is used as it is: the worst it holds is a connection that fails and is dropped.
-fn lock<A, B>(pool: &Mutex<Pool<A, B>>) -> MutexGuard<'_, Pool<A, B>> {
-    pool.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// What the pool needs to know of a connection.
 trait Reusable {
     /// The connection is gone (closed by either side, or failed).
@@ -469,6 +463,7 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
     }
 
     /// Whether the caller is to start a [`reap`] task for this pool (none runs yet).
+    #[cfg(test)]
     fn start_reaping(&mut self) -> bool {
         !std::mem::replace(&mut self.reaping, true)
     }
@@ -541,11 +536,9 @@ where
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
-    let start = guard.start_reaping();
+    guard.reaping = true;
     drop(guard);
-    if start {
-        rt.spawn(reap(Reaping(Arc::downgrade(pool))));
-    }
+    rt.spawn(reap(Reaping(Arc::downgrade(pool))));
 }
 
 /// Where an HTTP/1.1 connection goes once its response body has ended: back to the pool
@@ -770,10 +763,9 @@ mod tests {
         assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
     }
 
-    /// A backend that answers one request per connection and closes it right after,
-    /// without saying so (no `Connection: close`), as an idle timeout on its side would.
     /// A backend that answers one request per connection, then closes it without saying
-    /// so; each close is reported on the channel once done.
+    /// so (no `Connection: close`, as an idle timeout on its side would); each close is
+    /// reported on the channel once done.
     fn closing_backend() -> (
         u16,
         Arc<AtomicUsize>,

@@ -119,7 +119,7 @@ async fn post(
 async fn https_backends_over_http1_and_http2_keep_their_connections() {
     let dir = std::env::temp_dir().join(format!("spillgate-backend-tls-{}", free_port().unwrap()));
     std::fs::create_dir_all(&dir).unwrap();
-    if !test_certificates(&dir) {
+    if !test_certificates(&dir).unwrap() {
         eprintln!("SKIPPED: the openssl command is missing or failed");
         return;
     }

@@ -38,7 +38,7 @@ async fn instances_share_state_over_tls_with_a_password() {
     };
     let dir = std::env::temp_dir().join(format!("spillgate-tls-{}", free_port().unwrap()));
     std::fs::create_dir_all(&dir).unwrap();
-    if !test_certificates(&dir) {
+    if !test_certificates(&dir).unwrap() {
         eprintln!("SKIPPED: the openssl command is missing or failed");
         return;
     }
