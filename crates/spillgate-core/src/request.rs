@@ -146,28 +146,65 @@ impl<'de> serde::de::Visitor<'de> for ProbeVisitor {
         // `model` twice is an error, as it always was; a limit twice keeps the first.
         let mut model: Option<Option<&'de RawValue>> = None;
         let mut limits: [Option<Option<u64>>; 4] = [None; 4];
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-            if key == "model" {
-                if model.is_some() {
-                    return Err(serde::de::Error::duplicate_field("model"));
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Model => {
+                    if model.is_some() {
+                        return Err(serde::de::Error::duplicate_field("model"));
+                    }
+                    model = Some(map.next_value()?);
                 }
-                model = Some(map.next_value()?);
-            } else if let Some(i) = LIMIT_NAMES.iter().position(|n| *n == key) {
-                let raw: &'de RawValue = map.next_value()?;
-                if limits[i].is_none() {
-                    // A valid JSON value (checked by the parser): only a run of digits
-                    // reads as a number, as in a serde parse into `u64` (which refuses
-                    // `-0`, `1e2` and `1.0` too).
-                    limits[i] = Some(raw.get().parse::<u64>().ok());
+                Key::Limit(i) => {
+                    let raw: &'de RawValue = map.next_value()?;
+                    if limits[i].is_none() {
+                        // A valid JSON value (checked by the parser): only a run of digits
+                        // reads as a number, as in a serde parse into `u64` (which refuses
+                        // `-0`, `1e2` and `1.0` too).
+                        limits[i] = Some(raw.get().parse::<u64>().ok());
+                    }
                 }
-            } else {
-                map.next_value::<serde::de::IgnoredAny>()?;
+                Key::Other => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
             }
         }
         Ok(Probe {
             model: model.flatten(),
             limits: limits.map(Option::flatten),
         })
+    }
+}
+
+/// A member name of the probed object, told apart as it is read: the name is never
+/// copied (a `Cow<str>` key is always deserialized owned, one allocation a member).
+/// Escaped names are compared unescaped, as serde compares field names.
+enum Key {
+    Model,
+    Limit(usize),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl serde::de::Visitor<'_> for KeyVisitor {
+            type Value = Key;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a member name")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<Key, E> {
+                Ok(if name == "model" {
+                    Key::Model
+                } else if let Some(i) = LIMIT_NAMES.iter().position(|n| *n == name) {
+                    Key::Limit(i)
+                } else {
+                    Key::Other
+                })
+            }
+        }
+        d.deserialize_identifier(KeyVisitor)
     }
 }
 
@@ -457,6 +494,20 @@ mod tests {
     fn escaped_model_names_are_unescaped() {
         let info = inspect_body(br#"{"model":"gpt\u002d4o"}"#).unwrap();
         assert_eq!(info.model.as_deref(), Some("gpt-4o"));
+    }
+
+    #[test]
+    fn escaped_member_names_count_as_their_unescaped_names() {
+        let body = br#"{"mod\u0065l":"gpt-4o","\u006e":2,"max_tokens":7}"#;
+        let info = inspect_body(body).unwrap();
+        assert_eq!(info.model.as_deref(), Some("gpt-4o"));
+        assert_eq!(info.limits, [Some(7), None, None, Some(2)]);
+        // And a second, escaped `model` is the duplicate it unescapes to.
+        let err = inspect_body(br#"{"model":"a","\u006dodel":"b"}"#).unwrap_err();
+        assert!(
+            matches!(err, BodyError::InvalidJson(ref m) if m.contains("duplicate")),
+            "{err}"
+        );
     }
 
     #[test]

@@ -568,13 +568,249 @@ fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<HeaderMap, S
     for span in spans {
         let name = head
             .get(span.name.range())
-            .and_then(|n| HeaderName::from_bytes(n).ok())
+            .and_then(|n| common_name(n).or_else(|| HeaderName::from_bytes(n).ok()))
             .ok_or_else(|| "invalid header name".to_string())?;
         let value = HeaderValue::from_maybe_shared(head.slice(span.value.range()))
             .map_err(|_| format!("invalid value of header {name}"))?;
         headers.append(name, value);
     }
     Ok(headers)
+}
+
+/// The header names the gateway meets most (from the OpenAI SDKs, Azure OpenAI and
+/// OpenAI), shortest first. One of these is taken from here, neither parsed nor copied:
+/// `HeaderName::from_bytes` allocates a copy of every name `http` does not know itself,
+/// such as the `x-ratelimit-*` and `x-stainless-*` ones.
+static COMMON_NAMES: [HeaderName; 73] = [
+    HeaderName::from_static("te"),
+    HeaderName::from_static("host"),
+    HeaderName::from_static("date"),
+    HeaderName::from_static("vary"),
+    HeaderName::from_static("accept"),
+    HeaderName::from_static("expect"),
+    HeaderName::from_static("cookie"),
+    HeaderName::from_static("origin"),
+    HeaderName::from_static("server"),
+    HeaderName::from_static("cf-ray"),
+    HeaderName::from_static("api-key"),
+    HeaderName::from_static("upgrade"),
+    HeaderName::from_static("referer"),
+    HeaderName::from_static("alt-svc"),
+    HeaderName::from_static("x-real-ip"),
+    HeaderName::from_static("forwarded"),
+    HeaderName::from_static("user-agent"),
+    HeaderName::from_static("connection"),
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("x-priority"),
+    HeaderName::from_static("tracestate"),
+    HeaderName::from_static("set-cookie"),
+    HeaderName::from_static("openai-beta"),
+    HeaderName::from_static("traceparent"),
+    HeaderName::from_static("x-ms-region"),
+    HeaderName::from_static("retry-after"),
+    HeaderName::from_static("content-type"),
+    HeaderName::from_static("x-request-id"),
+    HeaderName::from_static("openai-model"),
+    HeaderName::from_static("authorization"),
+    HeaderName::from_static("cache-control"),
+    HeaderName::from_static("content-length"),
+    HeaderName::from_static("x-stainless-os"),
+    HeaderName::from_static("openai-project"),
+    HeaderName::from_static("retry-after-ms"),
+    HeaderName::from_static("openai-version"),
+    HeaderName::from_static("x-should-retry"),
+    HeaderName::from_static("accept-encoding"),
+    HeaderName::from_static("accept-language"),
+    HeaderName::from_static("x-forwarded-for"),
+    HeaderName::from_static("apim-request-id"),
+    HeaderName::from_static("cf-cache-status"),
+    HeaderName::from_static("x-stainless-lang"),
+    HeaderName::from_static("x-stainless-arch"),
+    HeaderName::from_static("x-forwarded-host"),
+    HeaderName::from_static("x-ms-rai-invoked"),
+    HeaderName::from_static("content-encoding"),
+    HeaderName::from_static("transfer-encoding"),
+    HeaderName::from_static("x-stainless-async"),
+    HeaderName::from_static("x-forwarded-proto"),
+    HeaderName::from_static("x-stainless-runtime"),
+    HeaderName::from_static("x-stainless-timeout"),
+    HeaderName::from_static("openai-organization"),
+    HeaderName::from_static("x-ms-retry-after-ms"),
+    HeaderName::from_static("x-ms-deployment-name"),
+    HeaderName::from_static("openai-processing-ms"),
+    HeaderName::from_static("azureml-model-session"),
+    HeaderName::from_static("x-ms-client-request-id"),
+    HeaderName::from_static("x-content-type-options"),
+    HeaderName::from_static("x-stainless-retry-count"),
+    HeaderName::from_static("x-stainless-read-timeout"),
+    HeaderName::from_static("x-ratelimit-limit-tokens"),
+    HeaderName::from_static("x-ratelimit-reset-tokens"),
+    HeaderName::from_static("x-stainless-helper-method"),
+    HeaderName::from_static("strict-transport-security"),
+    HeaderName::from_static("x-ratelimit-limit-requests"),
+    HeaderName::from_static("x-ratelimit-reset-requests"),
+    HeaderName::from_static("x-stainless-package-version"),
+    HeaderName::from_static("x-stainless-runtime-version"),
+    HeaderName::from_static("x-ratelimit-remaining-tokens"),
+    HeaderName::from_static("x-envoy-upstream-service-time"),
+    HeaderName::from_static("access-control-expose-headers"),
+    HeaderName::from_static("x-ratelimit-remaining-requests"),
+];
+
+/// `name` as one of [`COMMON_NAMES`], whatever its case: told apart by its length and
+/// one byte (the one that differs most among the names of that length), then compared
+/// whole. The match is generated from the list; a test checks every name.
+fn common_name(name: &[u8]) -> Option<HeaderName> {
+    let byte = |i: usize| name.get(i).map_or(0, u8::to_ascii_lowercase);
+    let i = match name.len() {
+        2 => 0,
+        4 => match byte(0) {
+            b'h' => 1,
+            b'd' => 2,
+            b'v' => 3,
+            _ => return None,
+        },
+        6 => match byte(1) {
+            b'c' => 4,
+            b'x' => 5,
+            b'o' => 6,
+            b'r' => 7,
+            b'e' => 8,
+            b'f' => 9,
+            _ => return None,
+        },
+        7 => match byte(2) {
+            b'i' => 10,
+            b'g' => 11,
+            b'f' => 12,
+            b't' => 13,
+            _ => return None,
+        },
+        9 => match byte(0) {
+            b'x' => 14,
+            b'f' => 15,
+            _ => return None,
+        },
+        10 => match byte(0) {
+            b'u' => 16,
+            b'c' => 17,
+            b'k' => 18,
+            b'x' => 19,
+            b't' => 20,
+            b's' => 21,
+            _ => return None,
+        },
+        11 => match byte(0) {
+            b'o' => 22,
+            b't' => 23,
+            b'x' => 24,
+            b'r' => 25,
+            _ => return None,
+        },
+        12 => match byte(0) {
+            b'c' => 26,
+            b'x' => 27,
+            b'o' => 28,
+            _ => return None,
+        },
+        13 => match byte(0) {
+            b'a' => 29,
+            b'c' => 30,
+            _ => return None,
+        },
+        14 => match byte(7) {
+            b'-' => 31,
+            b'l' => 32,
+            b'p' => 33,
+            b'f' => 34,
+            b'v' => 35,
+            b'd' => 36,
+            _ => return None,
+        },
+        15 => match byte(8) {
+            b'n' => 37,
+            b'a' => 38,
+            b'd' => 39,
+            b'u' => 40,
+            b'-' => 41,
+            _ => return None,
+        },
+        16 => match byte(12) {
+            b'l' => 42,
+            b'a' => 43,
+            b'h' => 44,
+            b'o' => 45,
+            b'd' => 46,
+            _ => return None,
+        },
+        17 => match byte(2) {
+            b'a' => 47,
+            b's' => 48,
+            b'f' => 49,
+            _ => return None,
+        },
+        19 => match byte(12) {
+            b'r' => 50,
+            b't' => 51,
+            b'i' => 52,
+            b'f' => 53,
+            _ => return None,
+        },
+        20 => match byte(0) {
+            b'x' => 54,
+            b'o' => 55,
+            _ => return None,
+        },
+        21 => 56,
+        22 => match byte(2) {
+            b'm' => 57,
+            b'c' => 58,
+            _ => return None,
+        },
+        23 => 59,
+        24 => match byte(14) {
+            b'a' => 60,
+            b'm' => 61,
+            b's' => 62,
+            _ => return None,
+        },
+        25 => match byte(0) {
+            b'x' => 63,
+            b's' => 64,
+            _ => return None,
+        },
+        26 => match byte(12) {
+            b'l' => 65,
+            b'r' => 66,
+            _ => return None,
+        },
+        27 => match byte(12) {
+            b'p' => 67,
+            b'r' => 68,
+            _ => return None,
+        },
+        28 => 69,
+        29 => match byte(0) {
+            b'x' => 70,
+            b'a' => 71,
+            _ => return None,
+        },
+        30 => 72,
+        _ => return None,
+    };
+    let known = &COMMON_NAMES[i];
+    same_ignoring_case(name, known.as_str().as_bytes()).then(|| known.clone())
+}
+
+/// Whether `name` is `lower` (lower-case) in any case: each byte equal, or a letter of
+/// `lower` upper-cased. Folded over all the bytes, without a branch per byte, which the
+/// compiler vectorizes (`eq_ignore_ascii_case` cost as much as parsing the name).
+fn same_ignoring_case(name: &[u8], lower: &[u8]) -> bool {
+    name.len() == lower.len()
+        && name.iter().zip(lower).fold(0, |diff, (&n, &l)| {
+            let letter = u8::from(l.wrapping_sub(b'a') < 26) << 5;
+            diff | ((n | letter) ^ l)
+        }) == 0
 }
 
 /// How a body ends.
@@ -967,6 +1203,74 @@ mod tests {
     use http_body_util::BodyExt;
     use std::sync::{Arc, Mutex};
     use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+    #[test]
+    fn case_is_ignored_for_letters_only() {
+        assert!(same_ignoring_case(b"X-Ms-Region", b"x-ms-region"));
+        assert!(same_ignoring_case(b"te", b"te"));
+        assert!(!same_ignoring_case(b"x\rms-region", b"x-ms-region"));
+        assert!(!same_ignoring_case(b"x-ms-regio", b"x-ms-region"));
+        assert!(!same_ignoring_case(b"x-ms-regioN2", b"x-ms-region"));
+        assert!(!same_ignoring_case(b"X_MS_REGION", b"x-ms-region"));
+        // A digit is not a letter: `0x10 | 0x20` is not `0`.
+        assert!(!same_ignoring_case(b"\x10", b"0"));
+    }
+
+    #[test]
+    fn common_names_are_found_in_any_case_and_others_are_not() {
+        for known in &COMMON_NAMES {
+            let name = known.as_str();
+            assert_eq!(common_name(name.as_bytes()).as_ref(), Some(known), "{name}");
+            let upper = name.to_ascii_uppercase();
+            assert_eq!(
+                common_name(upper.as_bytes()).as_ref(),
+                Some(known),
+                "{upper}"
+            );
+        }
+        for other in [
+            "x-mock-backend",
+            "x-ratelimit-remaining",
+            "hosts",
+            "",
+            "content_type",
+        ] {
+            assert_eq!(common_name(other.as_bytes()), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn a_head_keeps_every_header_known_or_not() {
+        let raw =
+            b"X-Ratelimit-Remaining-Tokens: 10\r\nX-Custom-Thing: a\r\nContent-Type: b\r\n\r\n";
+        let mut headers = [httparse::EMPTY_HEADER; 4];
+        let Ok(httparse::Status::Complete((_, parsed))) =
+            httparse::parse_headers(raw, &mut headers)
+        else {
+            panic!("incomplete")
+        };
+        let head = Bytes::from_static(raw);
+        let spans: Vec<Span> = parsed
+            .iter()
+            .map(|h| Span {
+                name: Part::of(&head, h.name.as_bytes()),
+                value: Part::of(&head, h.value),
+            })
+            .collect();
+        let map = header_map(&head, &spans, 0).unwrap();
+        assert_eq!(map.len(), 3);
+        assert_eq!(map["x-ratelimit-remaining-tokens"], "10");
+        assert_eq!(map["x-custom-thing"], "a");
+        assert_eq!(map[header::CONTENT_TYPE], "b");
+        let bad = [Span {
+            name: Part::of(&head, &head[..0]),
+            value: Part::of(&head, &head[..0]),
+        }];
+        assert_eq!(
+            header_map(&head, &bad, 0).unwrap_err(),
+            "invalid header name"
+        );
+    }
 
     /// Keeps the connection a body gives back.
     #[derive(Clone, Default)]
