@@ -6,9 +6,12 @@
 #
 #   bench/instructions.sh          # JSON and SSE, release build
 #   TOP=15 bench/instructions.sh   # also list spillgate's 15 costliest functions
-#   SMOKE=1 bench/instructions.sh  # seconds, JSON only, debug build (what ./test.sh runs)
+#   SMOKE=1 bench/instructions.sh  # seconds, `sdk` only, debug build (what ./test.sh runs)
 #   KEEP=/tmp/cg bench/instructions.sh  # also keep the callgrind dumps (for callgrind_annotate)
-#   ONLY=json bench/instructions.sh  # one body only (json or sse)
+#   ONLY=json bench/instructions.sh  # one body only (json, sdk or sse)
+#
+# `sdk` is the JSON request with the headers the OpenAI Python SDK sends, answered with
+# the six `x-ratelimit-*` headers Azure sends: what a gateway in production parses.
 #
 # Installs valgrind, wrk and nginx-light with apt-get when missing. Prints a markdown
 # table: requests counted, user-space instructions per request (per 100-chunk stream for
@@ -27,31 +30,34 @@ export PATH=$PATH:/usr/sbin
 
 WARM=2
 DURATION=${DURATION:-5}
-BODIES=(json sse)
+BODIES=(json sdk sse)
 [[ -n ${ONLY:-} ]] && BODIES=("$ONLY")
 if [[ -n ${SMOKE:-} ]]; then
     WARM=1
     DURATION=1
-    BODIES=(json)
+    BODIES=(sdk)
 fi
 build_bins
 
 start_mock 0
 MPORT=$PORT
+MOCK_LIMITS=1 start_mock 0
+LIMITED_PORT=$PORT
 wait_port "$MPORT"
+wait_port "$LIMITED_PORT"
 
 # Starts one target under callgrind; sets PORT and VG (valgrind's pid).
-start_target() { # target out
+start_target() { # target out backend_port
     PORT=$(free_port)
     local cg=(valgrind --tool=callgrind --callgrind-out-file="$2" --dump-instr=no
         --compress-strings=no --compress-pos=no)
     case $1 in
         spillgate)
-            spillgate_toml "$WORK/spillgate.toml" "$PORT" "$MPORT"
+            spillgate_toml "$WORK/spillgate.toml" "$PORT" "$3"
             "${cg[@]}" "$BIN/spillgate" --config "$WORK/spillgate.toml" >/dev/null 2>"$WORK/spillgate.log" &
             ;;
         nginx)
-            nginx_conf "$WORK/nginx" "$PORT" "$MPORT" single
+            nginx_conf "$WORK/nginx" "$PORT" "$3" single
             "${cg[@]}" nginx -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" >/dev/null 2>"$WORK/nginx.log" &
             ;;
     esac
@@ -61,8 +67,8 @@ start_target() { # target out
 }
 
 # wrk for a while -> "requests errors"
-load() { # port body seconds
-    BODY="$2" wrk -t1 -c4 -d"$3s" --timeout 30s -s "$WORK/post.lua" "http://127.0.0.1:$1/v1/chat/completions" 2>/dev/null |
+load() { # port body seconds [headers]
+    BODY="$2" HEADERS="${4:-}" wrk -t1 -c4 -d"$3s" --timeout 30s -s "$WORK/post.lua" "http://127.0.0.1:$1/v1/chat/completions" 2>/dev/null |
         awk '/^RESULT/ {print $2, $7}'
 }
 
@@ -94,13 +100,15 @@ declare -A IR=()
 echo "| body | target | requests counted | instructions per request | vs nginx |"
 echo "|---|---|---:|---:|---:|"
 for body in "${BODIES[@]}"; do
-    payload=$JSON; [[ $body == sse ]] && payload=$SSE
+    payload=$JSON headers="" backend=$MPORT
+    [[ $body == sse ]] && payload=$SSE
+    [[ $body == sdk ]] && headers=$SDK_HEADERS backend=$LIMITED_PORT
     for target in nginx spillgate; do
         out="$WORK/cg-$target-$body.out"
-        start_target "$target" "$out"
-        load "$PORT" "$payload" "$WARM" >/dev/null
+        start_target "$target" "$out" "$backend"
+        load "$PORT" "$payload" "$WARM" "$headers" >/dev/null
         callgrind_control -z "$VG" >/dev/null 2>&1 || true
-        read -r requests errors <<<"$(load "$PORT" "$payload" "$DURATION")"
+        read -r requests errors <<<"$(load "$PORT" "$payload" "$DURATION" "$headers")"
         callgrind_control -d "$VG" >/dev/null 2>&1 || true
         kill -INT "$VG" 2>/dev/null || true
         wait "$VG" 2>/dev/null || true

@@ -61,6 +61,10 @@ cat >"$WORK/post.lua" <<'EOF'
 wrk.method = "POST"
 wrk.body = os.getenv("BODY")
 wrk.headers["Content-Type"] = "application/json"
+for line in string.gmatch(os.getenv("HEADERS") or "", "[^\n]+") do
+  local name, value = string.match(line, "^([^:]+):%s*(.*)$")
+  if name then wrk.headers[name] = value end
+end
 done = function(summary, latency, requests)
   local errors = summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.status + summary.errors.timeout
   io.write(string.format("RESULT %d %d %.3f %.3f %.3f %d\n", summary.requests, summary.duration,
@@ -68,13 +72,35 @@ done = function(summary, latency, requests)
 end
 EOF
 
+# The headers the official OpenAI Python SDK sends with each request (beside Host,
+# Content-Type and Content-Length), for the `sdk` runs: `HEADERS="$SDK_HEADERS"` in
+# wrk's environment. The key is a placeholder: the gateway's `auth.mode = "none"` and
+# nginx ignore it, and the gateway does not forward it.
+SDK_HEADERS='Accept: application/json
+Accept-Encoding: gzip, deflate
+User-Agent: OpenAI/Python 1.109.1
+X-Stainless-Lang: python
+X-Stainless-Package-Version: 1.109.1
+X-Stainless-OS: Linux
+X-Stainless-Arch: x64
+X-Stainless-Runtime: CPython
+X-Stainless-Runtime-Version: 3.11.2
+Authorization: Bearer sk-placeholder
+X-Stainless-Async: false
+x-stainless-retry-count: 0
+x-stainless-read-timeout: 600'
+
 # start_mock <latency_ms> [stream_chunks [chunk_interval_ms]]: sets PORT. Run in this
 # shell (not in $(...)) so that PIDS keeps the process, as with the other start_*.
+# `MOCK_LIMITS=1` turns on the mock's limiter with limits never reached, so that every
+# answer carries Azure's six `x-ratelimit-*` headers.
 start_mock() {
     local port; port=$(free_port)
+    local limits=()
+    [[ -n ${MOCK_LIMITS:-} ]] && limits=(--rpm 4000000000 --tpm 4000000000)
     "$BIN/spillgate-mock" --listen "127.0.0.1:$port" --name bench --latency-ms "$1" \
         --stream-chunks "${2:-100}" --chunk-interval-ms "${3:-0}" --no-record-requests \
-        >/dev/null 2>"$WORK/mock-$port.log" &
+        "${limits[@]}" >/dev/null 2>"$WORK/mock-$port.log" &
     PIDS+=($!)
     PORT=$port
 }
