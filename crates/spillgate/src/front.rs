@@ -240,7 +240,8 @@ fn parse_head(
     let version = h1::version(req.version);
     // Where the target lies, to cut it from the head once it is taken off the buffer.
     let path = Part::of(buf, req.path.unwrap_or_default().as_bytes());
-    let spans = h1::HeadSpans::record(buf, req.headers);
+    let mut spans = h1::HeadSpans::new();
+    spans.record(buf, req.headers);
     let (head, headers) = spans.take(buf, len, 0).map_err(|why| {
         GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
     })?;

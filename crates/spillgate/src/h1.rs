@@ -454,7 +454,8 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
         .and_then(|c| StatusCode::from_u16(c).ok())
         .ok_or_else(|| Error::new("invalid response status"))?;
     let version = version(resp.version);
-    let spans = HeadSpans::record(buf, resp.headers);
+    let mut spans = HeadSpans::new();
+    spans.record(buf, resp.headers);
     let (_, headers) = spans
         .take(buf, len, RESPONSE_HEADROOM)
         .map_err(|why| Error::new(format!("{why} in the response")))?;
@@ -486,20 +487,28 @@ pub(crate) struct HeadSpans {
 }
 
 impl HeadSpans {
-    /// Records where each of `parsed` (slices of `head`) lies in it.
-    pub(crate) fn record(head: &[u8], parsed: &[httparse::Header<'_>]) -> HeadSpans {
-        let mut spans = HeadSpans {
+    /// No spans yet. Filled in place by [`HeadSpans::record`]: returned by value after
+    /// recording, the 1 KiB array was copied once more per head.
+    #[inline]
+    pub(crate) fn new() -> HeadSpans {
+        HeadSpans {
             small: [Span::default(); SMALL_HEAD],
             large: Vec::new(),
-            count: parsed.len(),
-        };
-        if parsed.len() > SMALL_HEAD {
-            spans.large.resize(parsed.len(), Span::default());
+            count: 0,
         }
-        let slots = if spans.large.is_empty() {
-            &mut spans.small[..parsed.len()]
+    }
+
+    /// Records where each of `parsed` (slices of `head`) lies in it.
+    pub(crate) fn record(&mut self, head: &[u8], parsed: &[httparse::Header<'_>]) {
+        self.count = parsed.len();
+        self.large.clear();
+        if parsed.len() > SMALL_HEAD {
+            self.large.resize(parsed.len(), Span::default());
+        }
+        let slots = if self.large.is_empty() {
+            &mut self.small[..parsed.len()]
         } else {
-            &mut spans.large[..]
+            &mut self.large[..]
         };
         for (span, h) in slots.iter_mut().zip(parsed) {
             *span = Span {
@@ -507,7 +516,6 @@ impl HeadSpans {
                 value: Part::of(head, h.value),
             };
         }
-        spans
     }
 
     /// Takes the head, its first `len` bytes, off `buf`: its bytes, and its headers as a
