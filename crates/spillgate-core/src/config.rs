@@ -266,6 +266,8 @@ pub struct FileTimeouts {
     #[serde(default, with = "humantime_serde")]
     pub client_body: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
+    pub client_send: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
     pub connect: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub first_byte: Option<Duration>,
@@ -698,6 +700,9 @@ pub struct Timeouts {
     pub client_header: Duration,
     /// A client must send its whole body within this (408 otherwise).
     pub client_body: Duration,
+    /// A client that makes no room for a response's next bytes within this (it reads
+    /// nothing) is disconnected.
+    pub client_send: Duration,
     pub connect: Duration,
     pub first_byte: Duration,
     pub idle: Duration,
@@ -893,6 +898,7 @@ impl Default for Timeouts {
         Timeouts {
             client_header: Duration::from_secs(30),
             client_body: Duration::from_secs(60),
+            client_send: Duration::from_secs(60),
             connect: Duration::from_secs(5),
             // A non-streamed completion sends its headers only when generation ends, so
             // "first byte" must allow for long generations.
@@ -1780,6 +1786,7 @@ fn validate(
     let timeouts = Timeouts {
         client_header: file.timeouts.client_header.unwrap_or(d.client_header),
         client_body: file.timeouts.client_body.unwrap_or(d.client_body),
+        client_send: file.timeouts.client_send.unwrap_or(d.client_send),
         connect: file.timeouts.connect.unwrap_or(d.connect),
         first_byte: file.timeouts.first_byte.unwrap_or(d.first_byte),
         idle: file.timeouts.idle.unwrap_or(d.idle),
@@ -1787,6 +1794,7 @@ fn validate(
     for (name, v) in [
         ("timeouts.client_header", timeouts.client_header),
         ("timeouts.client_body", timeouts.client_body),
+        ("timeouts.client_send", timeouts.client_send),
         ("timeouts.connect", timeouts.connect),
         ("timeouts.first_byte", timeouts.first_byte),
         ("timeouts.idle", timeouts.idle),
@@ -2502,7 +2510,15 @@ url = "http://127.0.0.1:8000/v1/"
         assert_eq!(c.timeouts.connect, Duration::from_millis(250));
         assert_eq!(c.routing.when_all_cooling, AllCoolingPolicy::ForwardFirst);
         let m = messages(&format!("{EXAMPLE}\n[timeouts]\nconnect = \"soon\"\n"));
-        assert!(m[0].starts_with("timeouts.connect:"), "{m:?}");
+        assert!(m[0].starts_with("timeouts.connect:"), "{m:?}"); // A client's send timeout: 60 s unless set, and never 0.
+        assert_eq!(
+            load_with(EXAMPLE).unwrap().timeouts.client_send,
+            Duration::from_secs(60)
+        );
+        let c = load_with(&format!("{EXAMPLE}\n[timeouts]\nclient_send = \"5m\"\n")).unwrap();
+        assert_eq!(c.timeouts.client_send, Duration::from_secs(300));
+        let m = messages(&format!("{EXAMPLE}\n[timeouts]\nclient_send = \"0s\"\n"));
+        assert_eq!(m, vec!["timeouts.client_send: must be greater than 0"]);
     }
 
     #[test]

@@ -48,6 +48,10 @@ pub struct Limits {
     /// for one (opened, or done with the previous request): an idle connection closes
     /// after it.
     pub header_timeout: Duration,
+    /// Time one write of a response may wait for the client to make room for it (it
+    /// reads nothing): the connection closes after it, and the response's body (the
+    /// backend's stream) is dropped.
+    pub send_timeout: Duration,
 }
 
 /// Header slots for the most `server.max_headers` allows.
@@ -311,7 +315,11 @@ pub async fn serve<S, B>(
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
-    let (io, mut out) = stream.into_split();
+    let (io, out) = stream.into_split();
+    let mut out = Out {
+        io: out,
+        send_timeout: limits.send_timeout,
+    };
     let shared = Arc::new(Mutex::new(Input {
         io,
         buf: BytesMut::new(),
@@ -426,7 +434,7 @@ pub async fn serve<S, B>(
                 }
                 let mut input = lock(&shared);
                 if input.expect == Continue::Due {
-                    match Pin::new(&mut out).poll_write(cx, &CONTINUE[continued..]) {
+                    match Pin::new(&mut out.io).poll_write(cx, &CONTINUE[continued..]) {
                         Poll::Ready(Ok(n)) if n > 0 => {
                             continued += n;
                             if continued == CONTINUE.len() {
@@ -454,6 +462,10 @@ pub async fn serve<S, B>(
         match respond(&mut out, &shared, resp, (&method, version), keep_alive).await {
             Ok(true) => {}
             Ok(false) => return close(out, &shared).await,
+            Err(e @ WriteError::Stalled(_)) => {
+                tracing::info!(error = %e, "client connection closed");
+                return;
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "client connection ended with an error");
                 return;
@@ -464,21 +476,25 @@ pub async fn serve<S, B>(
 
 /// Answers `e` to a request (with `method` and `version`, as far as they are known) that
 /// cannot be read, and closes the connection.
-async fn refuse(
-    mut out: OwnedWriteHalf,
-    shared: &Shared,
-    e: GatewayError,
-    request: (&Method, Version),
-) {
+async fn refuse(mut out: Out, shared: &Shared, e: GatewayError, request: (&Method, Version)) {
     tracing::debug!(status = e.status.as_u16(), code = e.code, "request refused");
     let _ = respond(&mut out, shared, e.into_response(), request, false).await;
     close(out, shared).await;
+}
+
+/// The write side of a connection.
+struct Out {
+    io: OwnedWriteHalf,
+    /// [`Limits::send_timeout`].
+    send_timeout: Duration,
 }
 
 /// Why a response did not go out whole.
 #[derive(Debug)]
 enum WriteError {
     Io(std::io::Error),
+    /// The client made no room for a write within this (`timeouts.client_send`).
+    Stalled(Duration),
     /// The client went away while the body was awaited.
     Gone,
     /// The response body failed.
@@ -492,6 +508,11 @@ impl std::fmt::Display for WriteError {
         match self {
             WriteError::Io(e) => write!(f, "writing the response: {e}"),
             WriteError::Gone => f.write_str("the client went away during the response"),
+            WriteError::Stalled(d) => write!(
+                f,
+                "the client read nothing of the response for {} ms (timeouts.client_send)",
+                d.as_millis()
+            ),
             WriteError::Body(e) => write!(f, "response body failed: {e}"),
             WriteError::Length => f.write_str("response body length differs from its header"),
         }
@@ -509,7 +530,7 @@ enum Event<F> {
 /// Writes `resp` (to a request with `method` and `version`), and says whether the
 /// connection can carry another request: `keep_alive` is what the request allowed.
 async fn respond<B>(
-    out: &mut OwnedWriteHalf,
+    out: &mut Out,
     shared: &Shared,
     resp: http::Response<B>,
     (method, version): (&Method, Version),
@@ -747,11 +768,23 @@ fn push_date(out: &mut Vec<u8>) {
 }
 
 /// Writes all of `bufs`, in as few writes as the socket takes.
-async fn write_all(out: &mut OwnedWriteHalf, bufs: &mut [IoSlice<'_>]) -> Result<(), WriteError> {
+async fn write_all(out: &mut Out, bufs: &mut [IoSlice<'_>]) -> Result<(), WriteError> {
     let mut bufs = bufs;
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
-        match out.write_vectored(bufs).await {
+        // Tried at once; only a write the client has no room for gets a timer.
+        let written =
+            match poll_fn(|cx| Poll::Ready(Pin::new(&mut out.io).poll_write_vectored(cx, bufs)))
+                .await
+            {
+                Poll::Ready(r) => r,
+                Poll::Pending => {
+                    tokio::time::timeout(out.send_timeout, out.io.write_vectored(bufs))
+                        .await
+                        .map_err(|_| WriteError::Stalled(out.send_timeout))?
+                }
+            };
+        match written {
             Ok(0) => return Err(WriteError::Io(std::io::ErrorKind::WriteZero.into())),
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) => return Err(WriteError::Io(e)),
@@ -764,8 +797,8 @@ async fn write_all(out: &mut OwnedWriteHalf, bufs: &mut [IoSlice<'_>]) -> Result
 /// client still sends is read and dropped for a moment (bounded in time and bytes), so
 /// that unread bytes do not make the kernel reset the connection before the client
 /// reads the answer.
-async fn close(mut out: OwnedWriteHalf, shared: &Shared) {
-    let _ = out.shutdown().await;
+async fn close(mut out: Out, shared: &Shared) {
+    let _ = out.io.shutdown().await;
     let mut read = 0;
     let _ = tokio::time::timeout(
         LINGER,
@@ -817,8 +850,9 @@ mod tests {
 
     /// The test service, by path: `/pending` never answers; `/early` answers without
     /// reading the body; `/empty` answers 204; `/stream` answers two chunks, its length
-    /// unknown; anything else answers the method, the target and the body (read whole),
-    /// or 400 with the body's error.
+    /// unknown; `/endless` answers 64 KiB chunks for ever (its body sets `dropped` when
+    /// dropped); `/big` answers [`BIG`] bytes at once; anything else answers the method,
+    /// the target and the body (read whole), or 400 with the body's error.
     async fn service(seen: Arc<Seen>, req: http::Request<RequestBody>) -> Resp {
         seen.calls.fetch_add(1, Ordering::SeqCst);
         seen.headers.lock().unwrap().push(req.headers().clone());
@@ -835,6 +869,16 @@ mod tests {
                 *r.status_mut() = StatusCode::NO_CONTENT;
                 r
             }
+            "/endless" => {
+                let flag = DropFlag(Arc::clone(&seen));
+                let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+                let chunks = futures_util::stream::repeat_with(move || {
+                    let _alive = &flag;
+                    Ok::<_, Infallible>(Frame::data(chunk.clone()))
+                });
+                http::Response::new(StreamBody::new(chunks).boxed())
+            }
+            "/big" => http::Response::new(full(vec![b'x'; BIG])),
             "/stream" => {
                 let chunks = futures_util::stream::iter([
                     Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"data: 1\n\n"))),
@@ -860,10 +904,14 @@ mod tests {
         }
     }
 
+    /// The size of `/big`'s body: far more than the kernel's socket buffers hold.
+    const BIG: usize = 32 << 20;
+
     const LIMITS: Limits = Limits {
         max_head: 8192,
         max_headers: 16,
         header_timeout: Duration::from_secs(10),
+        send_timeout: Duration::from_secs(30),
     };
 
     /// A server on a free loopback port, serving every connection with the test service.
@@ -1254,6 +1302,63 @@ mod tests {
         // The idle one closes without a word, as does one that sent an empty line.
         assert_eq!(read_more(&mut idle, &mut Vec::new()).await, 0);
         assert_eq!(read_more(&mut blank, &mut Vec::new()).await, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_reads_nothing_is_cut_off_and_the_body_dropped() {
+        let (addr, seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(addr, b"GET /endless HTTP/1.1\r\n\r\n").await;
+        // The gateway writes until the socket buffers are full, then waits: 30 s
+        // (`send_timeout`) for the client to make room, which it never does.
+        tokio::time::sleep(Duration::from_secs(29)).await;
+        assert!(!seen.dropped.load(Ordering::SeqCst), "cut off too early");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(
+            seen.dropped.load(Ordering::SeqCst),
+            "the body was not dropped"
+        );
+        // What was written still arrives, then the connection ends, the body unfinished.
+        let mut buf = Vec::new();
+        let mut total = 0;
+        loop {
+            let n = read_more(&mut sock, &mut buf).await;
+            if n == 0 {
+                break;
+            }
+            total += n;
+            buf.clear();
+        }
+        assert!(total > 64 * 1024, "{total}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_reader_gets_all_of_a_large_response() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let mut sock = connect(addr, b"GET /big HTTP/1.1\r\n\r\n").await;
+        // 256 KiB a second: 128 s for the body, far past the 30 s `send_timeout`, which
+        // bounds only a write the client makes no room for.
+        let mut buf = Vec::new();
+        let mut body = 0;
+        let mut head = None;
+        while head.is_none() || body < BIG {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let mut chunk = vec![0u8; 256 * 1024];
+            let n = sock.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed after {body} bytes of the body");
+            match head {
+                None => {
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        head = Some(String::from_utf8_lossy(&buf[..i]).to_string());
+                        body = buf.len() - i - 4;
+                    }
+                }
+                Some(_) => body += n,
+            }
+        }
+        let head = head.unwrap();
+        assert!(head.contains(&format!("content-length: {BIG}")), "{head}");
+        assert_eq!(body, BIG);
     }
 
     #[tokio::test]

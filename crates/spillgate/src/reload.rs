@@ -52,6 +52,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if old.timeouts.client_header != new.timeouts.client_header {
         v.push("timeouts.client_header");
     }
+    if old.timeouts.client_send != new.timeouts.client_send {
+        v.push("timeouts.client_send");
+    }
     if old.log.format != new.log.format || old.log.level != new.log.level {
         v.push("log");
     }

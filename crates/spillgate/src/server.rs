@@ -241,6 +241,7 @@ pub async fn start_on(
     let snap = app.snapshot.load();
     let server_cfg = snap.config.server.clone();
     let header_timeout = snap.config.timeouts.client_header;
+    let send_timeout = snap.config.timeouts.client_send;
     drop(snap);
     let listeners = match &workers {
         None => vec![TcpListener::bind(server_cfg.listen).await?.into_std()?],
@@ -259,6 +260,7 @@ pub async fn start_on(
             max_head: server_cfg.max_header_bytes,
             max_headers: server_cfg.max_headers,
             header_timeout,
+            send_timeout,
         },
         service: router(Arc::clone(&app)),
         permits: Arc::clone(&permits),
