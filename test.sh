@@ -3,8 +3,8 @@
 # smoke run and the end-to-end tests with the official OpenAI SDK.
 #
 # Works on a fresh Debian machine with Rust installed: missing system packages
-# (redis-server, chromium, openssl, make, python3-venv) are installed with apt-get,
-# the Python tools go into .venv. Exits non-zero on the first failure.
+# (redis-server, chromium, openssl, python3-venv) are installed with apt-get, the Python tools go
+# into .venv. Exits non-zero on the first failure.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -78,11 +78,6 @@ echo "chromium: $(command -v chromium)"
 if ! command -v openssl >/dev/null 2>&1; then
     echo "openssl not found; installing it"
     apt_install openssl
-fi
-# The gateway's allocator (jemalloc) is built from its C sources with make.
-if ! command -v make >/dev/null 2>&1; then
-    echo "make not found; installing it"
-    apt_install make
 fi
 if ! command -v python3 >/dev/null 2>&1; then
     echo "python3 not found; installing it"

@@ -7,14 +7,6 @@ use clap::{Parser, Subcommand};
 use spillgate_core::config::{AuthConfig, LogFormat};
 use tracing_subscriber::EnvFilter;
 
-/// jemalloc serves the gateway's many short-lived allocations (a request's buffers,
-/// header maps and futures) from per-thread caches in fewer instructions than glibc's
-/// malloc: 8% fewer per proxied JSON request, for 5 MB more peak RSS with 5,000 open
-/// streams (bench/README.md, "The allocator").
-#[cfg(not(target_env = "msvc"))]
-#[global_allocator]
-static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
 #[derive(Parser)]
 #[command(
     name = "spillgate",
