@@ -4,9 +4,10 @@
 # is the same from run to run whatever else the machine is doing, so it is the figure to
 # compare builds by.
 #
-#   bench/instructions.sh          # JSON and SSE, release build
+#   bench/instructions.sh          # JSON, sdk and SSE, release build
 #   TOP=15 bench/instructions.sh   # also list spillgate's 15 costliest functions
-#   SMOKE=1 bench/instructions.sh  # seconds, `sdk` only, debug build (what ./test.sh runs)
+#   SMOKE=1 bench/instructions.sh  # seconds, `sdk` only (ONLY is ignored), debug build
+#                                  # (what ./test.sh runs)
 #   KEEP=/tmp/cg bench/instructions.sh  # also keep the callgrind dumps (for callgrind_annotate)
 #   ONLY=json bench/instructions.sh  # one body only (json, sdk or sse)
 #
@@ -31,7 +32,14 @@ export PATH=$PATH:/usr/sbin
 WARM=2
 DURATION=${DURATION:-5}
 BODIES=(json sdk sse)
-[[ -n ${ONLY:-} ]] && BODIES=("$ONLY")
+case ${ONLY:-} in
+    "") ;;
+    json | sdk | sse) BODIES=("$ONLY") ;;
+    *)
+        echo "instructions.sh: ONLY must be json, sdk or sse, not '$ONLY'" >&2
+        exit 2
+        ;;
+esac
 if [[ -n ${SMOKE:-} ]]; then
     WARM=1
     DURATION=1

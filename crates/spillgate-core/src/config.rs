@@ -2510,7 +2510,8 @@ url = "http://127.0.0.1:8000/v1/"
         assert_eq!(c.timeouts.connect, Duration::from_millis(250));
         assert_eq!(c.routing.when_all_cooling, AllCoolingPolicy::ForwardFirst);
         let m = messages(&format!("{EXAMPLE}\n[timeouts]\nconnect = \"soon\"\n"));
-        assert!(m[0].starts_with("timeouts.connect:"), "{m:?}"); // A client's send timeout: 60 s unless set, and never 0.
+        assert!(m[0].starts_with("timeouts.connect:"), "{m:?}");
+        // A client's send timeout: 60 s unless set, and never 0.
         assert_eq!(
             load_with(EXAMPLE).unwrap().timeouts.client_send,
             Duration::from_secs(60)

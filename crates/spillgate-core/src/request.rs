@@ -109,7 +109,7 @@ pub struct BodyInfo {
 
 /// A request's top-level `max_tokens`, `max_completion_tokens`, `max_output_tokens` and
 /// `n`, in that order: each a non-negative integer, else unset (a value of another type
-/// counts as unset; of duplicates, the first counts).
+/// counts as unset; of duplicates, the first counts; names are compared unescaped).
 pub type Limits = [Option<u64>; 4];
 
 /// The names of [`Limits`]' members, in its order.

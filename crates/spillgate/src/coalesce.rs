@@ -5,12 +5,11 @@
 //! (100 syscalls, 100 wakeups of the reader) where a plain proxy writes what it read in
 //! one go. Here the chunks a body gives at once are gathered: an HTTP/1.1 body
 //! ([`crate::h1`]) gives the chunks it has already read, one per poll, without waiting.
-//! hyper's HTTP/2 bodies hand
-//! chunks over from their connection task through a channel, one per turn of the
-//! scheduler, so after a chunk the body also gives that task scheduler turns to hand over
-//! the next; the gathered bytes go out as soon as two turns in a row bring nothing. A stream whose chunks are spaced in time
-//! (every real model stream) is forwarded chunk by chunk as before, two scheduler turns
-//! later. The first chunk is not held at all: it usually arrives with the response head,
+//! hyper's HTTP/2 bodies hand chunks over from their connection task through a channel,
+//! one per turn of the scheduler, so after a chunk the body also gives that task
+//! scheduler turns to hand over the next; the gathered bytes go out as soon as two turns
+//! in a row bring nothing. A stream whose chunks are spaced in time (every real model
+//! stream) is forwarded chunk by chunk as before, two scheduler turns later. The first chunk is not held at all: it usually arrives with the response head,
 //! and passed on at once it leaves with the head in one write (held, the head went out
 //! alone and the first event followed in a second write, two turns later).
 
@@ -23,6 +22,10 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 
 /// Gathered bytes are sent once they reach this size, whatever follows.
 const MAX_GATHER: usize = 64 * 1024;
+/// Room a gathering starts with: half of what may be gathered. Grown from 4 KiB, a 20 KB
+/// run of chunks (a 100-chunk SSE answer) was copied three more times, at 4, 8 and 16
+/// KiB. The buffer lives only until it is sent.
+const GATHER_ROOM: usize = MAX_GATHER / 2;
 /// Scheduler turns given to the upstream connection for one gathered frame.
 const MAX_TURNS: u32 = 256;
 /// Turns without a new chunk before the gathered bytes go out. A hyper connection task
@@ -62,15 +65,13 @@ impl Joined {
         self.len() == 0
     }
 
-    pub fn push(&mut self, data: Bytes) {
+    /// Adds `data`. The copy a second chunk starts gets at least `room` bytes: what the
+    /// caller expects to join, as a buffer that grows is copied again each time.
+    pub fn push(&mut self, data: Bytes, room: usize) {
         *self = match std::mem::take(self) {
             Joined::Empty => Joined::One(data),
             Joined::One(first) => {
-                // Room for half of what may be gathered from the start: grown from 4 KiB,
-                // a 20 KB run of chunks (a 100-chunk SSE answer) was copied three more
-                // times, at 4, 8 and 16 KiB. The buffer lives only until it is sent.
-                let mut buf =
-                    BytesMut::with_capacity((first.len() + data.len()).max(MAX_GATHER / 2));
+                let mut buf = BytesMut::with_capacity((first.len() + data.len()).max(room));
                 buf.extend_from_slice(&first);
                 buf.extend_from_slice(&data);
                 Joined::Many(buf)
@@ -199,7 +200,7 @@ where
                         if this.gathered.is_empty() && (first || this.inner.is_end_stream()) {
                             return Poll::Ready(Some(Ok(Frame::data(data))));
                         }
-                        this.gathered.push(data);
+                        this.gathered.push(data, GATHER_ROOM);
                         this.fresh = true;
                         if this.gathered.len() >= MAX_GATHER {
                             return Poll::Ready(this.flush().map(Ok));

@@ -93,10 +93,9 @@ enum Continue {
     Due,
 }
 
+/// The read side, locked with [`crate::lock`]: never across an await, nor while the
+/// other side runs; a panic while it was held has already ended the connection's task.
 type Shared = Arc<Mutex<Input>>;
-
-// The read side is locked with [`crate::lock`]: never across an await, nor while the
-// other side runs; a panic while it was held has already ended the connection's task.
 
 impl Input {
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
@@ -1335,8 +1334,8 @@ mod tests {
     async fn a_slow_reader_gets_all_of_a_large_response() {
         let (addr, _seen, _stop) = server(LIMITS).await;
         let mut sock = connect(addr, b"GET /big HTTP/1.1\r\n\r\n").await;
-        // 256 KiB a second: 128 s for the body, far past the 30 s `send_timeout`, which
-        // bounds only a write the client makes no room for.
+        // At most 256 KiB a second: 128 s or more for the body, far past the 30 s
+        // `send_timeout`, which bounds only a write the client makes no room for.
         let mut buf = Vec::new();
         let mut body = 0;
         let mut head = None;

@@ -457,7 +457,9 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
     let mut spans = HeadSpans::new();
     spans.record(buf, resp.headers);
     let (_, headers) = spans
-        .take(buf, len, RESPONSE_HEADROOM)
+        // Room for the headers the proxy adds: a map that had to grow for them would
+        // hash every header again.
+        .take(buf, len, crate::proxy::ADDED_RESPONSE_HEADERS)
         .map_err(|why| Error::new(format!("{why} in the response")))?;
     Ok(Some(Head {
         status,
@@ -500,21 +502,26 @@ impl HeadSpans {
 
     /// Records where each of `parsed` (slices of `head`) lies in it.
     pub(crate) fn record(&mut self, head: &[u8], parsed: &[httparse::Header<'_>]) {
-        self.count = parsed.len();
-        self.large.clear();
-        if parsed.len() > SMALL_HEAD {
-            self.large.resize(parsed.len(), Span::default());
-        }
-        let slots = if self.large.is_empty() {
-            &mut self.small[..parsed.len()]
-        } else {
-            &mut self.large[..]
+        let span = |h: &httparse::Header<'_>| Span {
+            name: Part::of(head, h.name.as_bytes()),
+            value: Part::of(head, h.value),
         };
-        for (span, h) in slots.iter_mut().zip(parsed) {
-            *span = Span {
-                name: Part::of(head, h.name.as_bytes()),
-                value: Part::of(head, h.value),
-            };
+        self.count = parsed.len();
+        if self.count > SMALL_HEAD {
+            self.large = parsed.iter().map(span).collect();
+        } else {
+            for (slot, h) in self.small.iter_mut().zip(parsed) {
+                *slot = span(h);
+            }
+        }
+    }
+
+    /// The spans recorded.
+    fn spans(&self) -> &[Span] {
+        if self.count > SMALL_HEAD {
+            &self.large
+        } else {
+            &self.small[..self.count]
         }
     }
 
@@ -527,21 +534,11 @@ impl HeadSpans {
         len: usize,
         extra: usize,
     ) -> Result<(Bytes, HeaderMap), String> {
-        let spans = if self.large.is_empty() {
-            &self.small[..self.count]
-        } else {
-            &self.large[..]
-        };
         let head = buf.split_to(len).freeze();
-        let headers = header_map(&head, spans, extra)?;
+        let headers = header_map(&head, self.spans(), extra)?;
         Ok((head, headers))
     }
 }
-
-/// Room left in a response's header map for the headers the gateway adds before the
-/// response goes on to the client (its request id, backend, attempts and model): a map
-/// that had to grow for them would hash every header again.
-const RESPONSE_HEADROOM: usize = 4;
 
 /// Where a part of a head lies in it: offset and length. Heads are far shorter than
 /// 4 GiB (their limits are at most 1 MiB).
@@ -585,229 +582,99 @@ fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<HeaderMap, S
     Ok(headers)
 }
 
-/// The header names the gateway meets most (from the OpenAI SDKs, Azure OpenAI and
-/// OpenAI), shortest first. One of these is taken from here, neither parsed nor copied:
-/// `HeaderName::from_bytes` allocates a copy of every name `http` does not know itself,
-/// such as the `x-ratelimit-*` and `x-stainless-*` ones.
-static COMMON_NAMES: [HeaderName; 73] = [
-    HeaderName::from_static("te"),
-    HeaderName::from_static("host"),
-    HeaderName::from_static("date"),
-    HeaderName::from_static("vary"),
-    HeaderName::from_static("accept"),
-    HeaderName::from_static("expect"),
-    HeaderName::from_static("cookie"),
-    HeaderName::from_static("origin"),
-    HeaderName::from_static("server"),
-    HeaderName::from_static("cf-ray"),
-    HeaderName::from_static("api-key"),
-    HeaderName::from_static("upgrade"),
-    HeaderName::from_static("referer"),
-    HeaderName::from_static("alt-svc"),
-    HeaderName::from_static("x-real-ip"),
-    HeaderName::from_static("forwarded"),
-    HeaderName::from_static("user-agent"),
-    HeaderName::from_static("connection"),
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("x-priority"),
-    HeaderName::from_static("tracestate"),
-    HeaderName::from_static("set-cookie"),
-    HeaderName::from_static("openai-beta"),
-    HeaderName::from_static("traceparent"),
-    HeaderName::from_static("x-ms-region"),
-    HeaderName::from_static("retry-after"),
-    HeaderName::from_static("content-type"),
-    HeaderName::from_static("x-request-id"),
-    HeaderName::from_static("openai-model"),
-    HeaderName::from_static("authorization"),
-    HeaderName::from_static("cache-control"),
-    HeaderName::from_static("content-length"),
-    HeaderName::from_static("x-stainless-os"),
-    HeaderName::from_static("openai-project"),
-    HeaderName::from_static("retry-after-ms"),
-    HeaderName::from_static("openai-version"),
-    HeaderName::from_static("x-should-retry"),
-    HeaderName::from_static("accept-encoding"),
-    HeaderName::from_static("accept-language"),
-    HeaderName::from_static("x-forwarded-for"),
-    HeaderName::from_static("apim-request-id"),
-    HeaderName::from_static("cf-cache-status"),
-    HeaderName::from_static("x-stainless-lang"),
-    HeaderName::from_static("x-stainless-arch"),
-    HeaderName::from_static("x-forwarded-host"),
-    HeaderName::from_static("x-ms-rai-invoked"),
-    HeaderName::from_static("content-encoding"),
-    HeaderName::from_static("transfer-encoding"),
-    HeaderName::from_static("x-stainless-async"),
-    HeaderName::from_static("x-forwarded-proto"),
-    HeaderName::from_static("x-stainless-runtime"),
-    HeaderName::from_static("x-stainless-timeout"),
-    HeaderName::from_static("openai-organization"),
-    HeaderName::from_static("x-ms-retry-after-ms"),
-    HeaderName::from_static("x-ms-deployment-name"),
-    HeaderName::from_static("openai-processing-ms"),
-    HeaderName::from_static("azureml-model-session"),
-    HeaderName::from_static("x-ms-client-request-id"),
-    HeaderName::from_static("x-content-type-options"),
-    HeaderName::from_static("x-stainless-retry-count"),
-    HeaderName::from_static("x-stainless-read-timeout"),
-    HeaderName::from_static("x-ratelimit-limit-tokens"),
-    HeaderName::from_static("x-ratelimit-reset-tokens"),
-    HeaderName::from_static("x-stainless-helper-method"),
-    HeaderName::from_static("strict-transport-security"),
-    HeaderName::from_static("x-ratelimit-limit-requests"),
-    HeaderName::from_static("x-ratelimit-reset-requests"),
-    HeaderName::from_static("x-stainless-package-version"),
-    HeaderName::from_static("x-stainless-runtime-version"),
-    HeaderName::from_static("x-ratelimit-remaining-tokens"),
-    HeaderName::from_static("x-envoy-upstream-service-time"),
-    HeaderName::from_static("access-control-expose-headers"),
-    HeaderName::from_static("x-ratelimit-remaining-requests"),
-];
-
-/// `name` as one of [`COMMON_NAMES`], whatever its case: told apart by its length and
-/// one byte (the one that differs most among the names of that length), then compared
-/// whole. The match is generated from the list; a test checks every name.
-fn common_name(name: &[u8]) -> Option<HeaderName> {
-    let byte = |i: usize| name.get(i).map_or(0, u8::to_ascii_lowercase);
-    let i = match name.len() {
-        2 => 0,
-        4 => match byte(0) {
-            b'h' => 1,
-            b'd' => 2,
-            b'v' => 3,
-            _ => return None,
-        },
-        6 => match byte(1) {
-            b'c' => 4,
-            b'x' => 5,
-            b'o' => 6,
-            b'r' => 7,
-            b'e' => 8,
-            b'f' => 9,
-            _ => return None,
-        },
-        7 => match byte(2) {
-            b'i' => 10,
-            b'g' => 11,
-            b'f' => 12,
-            b't' => 13,
-            _ => return None,
-        },
-        9 => match byte(0) {
-            b'x' => 14,
-            b'f' => 15,
-            _ => return None,
-        },
-        10 => match byte(0) {
-            b'u' => 16,
-            b'c' => 17,
-            b'k' => 18,
-            b'x' => 19,
-            b't' => 20,
-            b's' => 21,
-            _ => return None,
-        },
-        11 => match byte(0) {
-            b'o' => 22,
-            b't' => 23,
-            b'x' => 24,
-            b'r' => 25,
-            _ => return None,
-        },
-        12 => match byte(0) {
-            b'c' => 26,
-            b'x' => 27,
-            b'o' => 28,
-            _ => return None,
-        },
-        13 => match byte(0) {
-            b'a' => 29,
-            b'c' => 30,
-            _ => return None,
-        },
-        14 => match byte(7) {
-            b'-' => 31,
-            b'l' => 32,
-            b'p' => 33,
-            b'f' => 34,
-            b'v' => 35,
-            b'd' => 36,
-            _ => return None,
-        },
-        15 => match byte(8) {
-            b'n' => 37,
-            b'a' => 38,
-            b'd' => 39,
-            b'u' => 40,
-            b'-' => 41,
-            _ => return None,
-        },
-        16 => match byte(12) {
-            b'l' => 42,
-            b'a' => 43,
-            b'h' => 44,
-            b'o' => 45,
-            b'd' => 46,
-            _ => return None,
-        },
-        17 => match byte(2) {
-            b'a' => 47,
-            b's' => 48,
-            b'f' => 49,
-            _ => return None,
-        },
-        19 => match byte(12) {
-            b'r' => 50,
-            b't' => 51,
-            b'i' => 52,
-            b'f' => 53,
-            _ => return None,
-        },
-        20 => match byte(0) {
-            b'x' => 54,
-            b'o' => 55,
-            _ => return None,
-        },
-        21 => 56,
-        22 => match byte(2) {
-            b'm' => 57,
-            b'c' => 58,
-            _ => return None,
-        },
-        23 => 59,
-        24 => match byte(14) {
-            b'a' => 60,
-            b'm' => 61,
-            b's' => 62,
-            _ => return None,
-        },
-        25 => match byte(0) {
-            b'x' => 63,
-            b's' => 64,
-            _ => return None,
-        },
-        26 => match byte(12) {
-            b'l' => 65,
-            b'r' => 66,
-            _ => return None,
-        },
-        27 => match byte(12) {
-            b'p' => 67,
-            b'r' => 68,
-            _ => return None,
-        },
-        28 => 69,
-        29 => match byte(0) {
-            b'x' => 70,
-            b'a' => 71,
-            _ => return None,
-        },
-        30 => 72,
-        _ => return None,
+/// Declares [`COMMON_NAMES`] and [`COMMON_NAME_TEXTS`] from one list, in the same order.
+macro_rules! common_names {
+    ($($name:literal,)*) => {
+        /// The header names the gateway meets most (from the OpenAI SDKs, Azure OpenAI
+        /// and OpenAI). One of these is taken from here, neither parsed nor copied:
+        /// `HeaderName::from_bytes` allocates a copy of every name `http` does not know
+        /// itself, such as the `x-ratelimit-*` and `x-stainless-*` ones.
+        static COMMON_NAMES: [HeaderName; [$($name),*].len()] =
+            [$(HeaderName::from_static($name)),*];
+        /// [`COMMON_NAMES`] as text.
+        const COMMON_NAME_TEXTS: [&str; [$($name),*].len()] = [$($name),*];
     };
-    let known = &COMMON_NAMES[i];
-    same_ignoring_case(name, known.as_str().as_bytes()).then(|| known.clone())
+}
+
+common_names! {
+    // Requests: HTTP and the OpenAI SDKs.
+    "host", "user-agent", "accept", "accept-encoding", "accept-language", "content-type",
+    "content-length", "content-encoding", "authorization", "api-key", "connection",
+    "keep-alive", "transfer-encoding", "te", "upgrade", "expect", "cookie", "origin",
+    "referer", "traceparent", "tracestate", "openai-organization", "openai-project",
+    "openai-beta", "x-request-id", "x-ms-client-request-id", "x-priority",
+    "x-stainless-lang", "x-stainless-package-version", "x-stainless-os", "x-stainless-arch",
+    "x-stainless-runtime", "x-stainless-runtime-version", "x-stainless-async",
+    "x-stainless-retry-count", "x-stainless-read-timeout", "x-stainless-timeout",
+    "x-stainless-helper-method", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host",
+    "x-real-ip", "forwarded",
+    // Responses: Azure OpenAI and OpenAI.
+    "date", "server", "cache-control", "vary", "set-cookie", "alt-svc", "cf-ray",
+    "cf-cache-status", "strict-transport-security", "x-content-type-options",
+    "access-control-expose-headers", "apim-request-id", "x-ms-region", "x-ms-rai-invoked",
+    "x-ms-deployment-name", "azureml-model-session", "x-envoy-upstream-service-time",
+    "openai-processing-ms", "openai-version", "openai-model", "x-should-retry",
+    "retry-after", "retry-after-ms", "x-ms-retry-after-ms", "x-ratelimit-limit-requests",
+    "x-ratelimit-limit-tokens", "x-ratelimit-remaining-requests",
+    "x-ratelimit-remaining-tokens", "x-ratelimit-reset-requests", "x-ratelimit-reset-tokens",
+}
+
+/// Slots of the open-addressed table over [`COMMON_NAMES`] (kept under half full, so a
+/// search mostly ends at its first slot), and the mark of an empty one.
+const NAME_SLOTS: usize = 256;
+const NO_NAME: u8 = u8::MAX;
+
+/// Where the search for a name starts: from its length and its first, middle and last
+/// bytes, lower-cased (enough to tell apart names that share a prefix and a suffix).
+const fn name_slot(name: &[u8]) -> usize {
+    let len = name.len();
+    let mut h = len as u32;
+    h = h
+        .wrapping_mul(31)
+        .wrapping_add(name[0].to_ascii_lowercase() as u32);
+    h = h
+        .wrapping_mul(31)
+        .wrapping_add(name[len / 2].to_ascii_lowercase() as u32);
+    h = h
+        .wrapping_mul(31)
+        .wrapping_add(name[len - 1].to_ascii_lowercase() as u32);
+    h as usize % NAME_SLOTS
+}
+
+/// The table, built at compile time: each name in the first free slot from its own.
+const COMMON_NAME_SLOTS: [u8; NAME_SLOTS] = {
+    assert!(COMMON_NAME_TEXTS.len() < NAME_SLOTS / 2);
+    let mut slots = [NO_NAME; NAME_SLOTS];
+    let mut i = 0;
+    while i < COMMON_NAME_TEXTS.len() {
+        let mut s = name_slot(COMMON_NAME_TEXTS[i].as_bytes());
+        while slots[s] != NO_NAME {
+            s = (s + 1) % NAME_SLOTS;
+        }
+        slots[s] = i as u8;
+        i += 1;
+    }
+    slots
+};
+
+/// `name` as one of [`COMMON_NAMES`], whatever its case.
+fn common_name(name: &[u8]) -> Option<HeaderName> {
+    if name.is_empty() {
+        return None;
+    }
+    let mut s = name_slot(name);
+    // Ends at an empty slot: the table is less than half full.
+    loop {
+        let slot = COMMON_NAME_SLOTS[s];
+        if slot == NO_NAME {
+            return None;
+        }
+        let i = usize::from(slot);
+        if same_ignoring_case(name, COMMON_NAME_TEXTS[i].as_bytes()) {
+            return Some(COMMON_NAMES[i].clone());
+        }
+        s = (s + 1) % NAME_SLOTS;
+    }
 }
 
 /// Whether `name` is `lower` (lower-case) in any case: each byte equal, or a letter of
@@ -895,10 +762,8 @@ fn framing(
 pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
     let mut length = None;
     for v in headers.get_all(header::CONTENT_LENGTH) {
-        for part in v.as_bytes().split(|&b| b == b',') {
-            // A header value holds no control byte but tab: trimming ASCII whitespace
-            // trims spaces and tabs.
-            let n = decimal(part.trim_ascii()).ok_or("invalid content-length")?;
+        for part in tokens(v) {
+            let n = decimal(part).ok_or("invalid content-length")?;
             if length.is_some_and(|l| l != n) {
                 return Err("conflicting content-length values");
             }
@@ -929,7 +794,8 @@ pub(crate) fn connection_has(headers: &HeaderMap, token: &str) -> bool {
         .any(|v| has_token(v, token))
 }
 
-/// The comma-separated tokens of `v`, without the spaces around them.
+/// The comma-separated tokens of `v`, without the spaces around them (a header value
+/// holds no control byte but tab: trimming ASCII whitespace trims spaces and tabs).
 fn tokens(v: &HeaderValue) -> impl DoubleEndedIterator<Item = &[u8]> {
     v.as_bytes().split(|&b| b == b',').map(<[u8]>::trim_ascii)
 }
@@ -1252,20 +1118,15 @@ mod tests {
         let raw =
             b"X-Ratelimit-Remaining-Tokens: 10\r\nX-Custom-Thing: a\r\nContent-Type: b\r\n\r\n";
         let mut headers = [httparse::EMPTY_HEADER; 4];
-        let Ok(httparse::Status::Complete((_, parsed))) =
+        let Ok(httparse::Status::Complete((len, parsed))) =
             httparse::parse_headers(raw, &mut headers)
         else {
             panic!("incomplete")
         };
+        let mut spans = HeadSpans::new();
+        spans.record(raw, parsed);
         let head = Bytes::from_static(raw);
-        let spans: Vec<Span> = parsed
-            .iter()
-            .map(|h| Span {
-                name: Part::of(&head, h.name.as_bytes()),
-                value: Part::of(&head, h.value),
-            })
-            .collect();
-        let map = header_map(&head, &spans, 0).unwrap();
+        let (_, map) = spans.take(&mut BytesMut::from(&raw[..]), len, 0).unwrap();
         assert_eq!(map.len(), 3);
         assert_eq!(map["x-ratelimit-remaining-tokens"], "10");
         assert_eq!(map["x-custom-thing"], "a");

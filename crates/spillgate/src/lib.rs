@@ -32,9 +32,9 @@ mod test_logs;
 use spillgate_core::config::{Config, ConfigErrors};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// Locks `m`; a poisoned lock (a panic while it was held) is used as it is. Every
-/// critical section of the gateway leaves its data consistent, and none is held across
-/// an await: a panic in one request must not take the others down with it.
+/// Locks `m`; a poisoned lock (a panic while it was held) is used as it is. For the
+/// locks whose every critical section leaves the data consistent and is never held
+/// across an await: a panic in one request must not take the others down with it.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }

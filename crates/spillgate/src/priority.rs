@@ -159,7 +159,9 @@ pub fn cheap_estimate(body: &[u8], operation: &str) -> u64 {
 }
 
 /// [`cheap_estimate`] of a body of `len` bytes whose limits are already read (by
-/// `inspect_body`, in the pass that finds the model).
+/// `inspect_body`, in the pass that finds the model). That pass reads member names
+/// unescaped (`"\u006e"` is `n`); [`cheap_estimate`]'s scan does not recognise escaped
+/// names, so the two differ for such a body (a client-chosen spelling nobody sends).
 pub fn cheap_estimate_of(len: usize, operation: &str, limits: Limits) -> u64 {
     let prompt = (len as u64).div_ceil(4);
     if operation.starts_with("embeddings") {
@@ -415,6 +417,9 @@ fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> b
 
 /// Largest non-streamed response body kept aside to read its `usage`.
 const JSON_TAP_LIMIT: usize = 4 * 1024 * 1024;
+/// Room the copy of a JSON body that came in pieces starts with (kept until the body
+/// ends).
+const JSON_TAP_ROOM: usize = 4096;
 
 /// Adds a chunk of a JSON body to `json`, which gives up past [`JSON_TAP_LIMIT`] bytes.
 fn keep_json(json: &mut Option<Joined>, data: &Bytes) {
@@ -422,7 +427,7 @@ fn keep_json(json: &mut Option<Joined>, data: &Bytes) {
         if j.len() + data.len() > JSON_TAP_LIMIT {
             *json = None;
         } else {
-            j.push(data.clone());
+            j.push(data.clone(), JSON_TAP_ROOM);
         }
     }
 }
@@ -870,6 +875,15 @@ mod tests {
                 String::from_utf8_lossy(b)
             );
         }
+        // Escaped member names: read by the model pass only.
+        let escaped = br#"{"\u006e":5,"max_tokens":10}"#;
+        let info = spillgate_core::request::inspect_body(escaped).unwrap();
+        let prompt = (escaped.len() as u64).div_ceil(4);
+        assert_eq!(
+            cheap_estimate_of(escaped.len(), "chat/completions", info.limits),
+            prompt + 50
+        );
+        assert_eq!(cheap_estimate(escaped, "chat/completions"), prompt + 10);
         for b in [&body[..], &nested[..], &odd[..]] {
             assert_eq!(
                 cheap_estimate(b, "chat/completions"),

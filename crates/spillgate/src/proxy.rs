@@ -14,7 +14,8 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
+use http::header::GetAll;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use spillgate_core::capacity::{parse_headers as parse_ratelimit, Admission, Reserve};
@@ -29,6 +30,7 @@ use spillgate_core::routing::{BackendId, RouteId};
 
 use crate::app::{App, BackendRt, Snapshot};
 use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
+use crate::coalesce::Joined;
 use crate::entra::{BearerToken, Refusal, TokenError};
 use crate::errors::GatewayError;
 use crate::h1;
@@ -45,6 +47,10 @@ pub const HEADER_BACKEND: HeaderName = HeaderName::from_static("x-spillgate-back
 pub const HEADER_ATTEMPTS: HeaderName = HeaderName::from_static("x-spillgate-attempts");
 pub const HEADER_MODEL: HeaderName = HeaderName::from_static("x-spillgate-model");
 pub const HEADER_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// How many headers a response gets from the gateway on its way to the client: its
+/// request id, backend, attempts and model. Response header maps are made with room for
+/// them (`h1` builds the backend's with it).
+pub(crate) const ADDED_RESPONSE_HEADERS: usize = 4;
 const HEADER_UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
 /// Connection-scoped headers (RFC 9110 §7.6.1) that a proxy must not forward.
@@ -60,22 +66,16 @@ const HOP_BY_HOP: [&str; 8] = [
 ];
 
 /// Whether `name` is hop-by-hop: one of [`HOP_BY_HOP`], `upgrade`, or a name the
-/// `Connection` values (`connection`) list.
-fn is_hop_by_hop(name: &HeaderName, connection: &[&HeaderValue]) -> bool {
+/// `Connection` values (`connection`, looked up once per map) list.
+fn is_hop_by_hop(name: &HeaderName, connection: &GetAll<'_, HeaderValue>) -> bool {
     let n = name.as_str();
     HOP_BY_HOP.contains(&n) || n == "upgrade" || connection.iter().any(|v| h1::has_token(v, n))
-}
-
-/// The `Connection` values of `headers`, whose tokens [`is_hop_by_hop`] reads (no
-/// allocation when there are none, as in most requests and responses).
-fn connection_values(headers: &HeaderMap) -> Vec<&HeaderValue> {
-    headers.get_all(header::CONNECTION).iter().collect()
 }
 
 /// The client's headers as they go upstream: without hop-by-hop headers, the client's
 /// credentials, cookies, `Host` and framing headers (the client recomputes those).
 fn forward_headers(client: &HeaderMap) -> HeaderMap {
-    let connection = connection_values(client);
+    let connection = client.get_all(header::CONNECTION);
     // Room for the request id and the credential each attempt adds (`Host` is the
     // upstream connection's).
     let mut out = HeaderMap::with_capacity(client.len() + 2);
@@ -113,7 +113,7 @@ const BACKEND_ONLY_HEADERS: [&str; 3] = ["openai-organization", "openai-project"
 /// built (removals move the last header into the gap, so the order may change). `extra`
 /// is room for the headers the gateway adds.
 fn response_headers(mut headers: HeaderMap, extra: usize) -> HeaderMap {
-    let connection = connection_values(&headers);
+    let connection = headers.get_all(header::CONNECTION);
     let unwanted: Vec<HeaderName> = headers
         .keys()
         .filter(|name| {
@@ -224,7 +224,7 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
 }
 
 /// Serves one API request; `request_id` goes upstream in `x-request-id`.
-pub async fn handle(app: Arc<App>, req: Request, request_id: Option<HeaderValue>) -> Response {
+pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Response {
     let started = tokio::time::Instant::now();
     let snap = app.snapshot.load_full();
     let (parts, body) = req.into_parts();
@@ -451,12 +451,10 @@ async fn reject_unread(mut resp: Response, headers: &HeaderMap, body: Body) -> R
     resp
 }
 
-/// The body length a request declares in `Content-Length`.
+/// The body length a request declares in `Content-Length` (read as the connection read
+/// it, which has refused conflicting values already).
 fn declared_len(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
+    h1::content_length(headers).ok().flatten()
 }
 
 /// Reads the whole request body, refusing it with 413 before any upstream call when it is
@@ -512,28 +510,21 @@ enum BodyRead {
 /// arrives as one piece, as most do, is that piece itself: nothing is copied or gathered
 /// into a list first.
 async fn collect_body(mut body: Body, max: usize) -> Result<Bytes, BodyRead> {
-    let mut whole = Bytes::new();
-    let mut joined: Option<BytesMut> = None;
+    let mut whole = Joined::Empty;
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.map_err(|_| BodyRead::Broken)?.into_data() else {
             continue;
         };
-        let len = joined.as_ref().map_or(whole.len(), BytesMut::len) + data.len();
-        if len > max {
+        if whole.len() + data.len() > max {
             return Err(BodyRead::TooLarge);
         }
-        match &mut joined {
-            Some(j) => j.extend_from_slice(&data),
-            None if whole.is_empty() => whole = data,
-            None => {
-                let mut j = BytesMut::with_capacity(len.max(2 * whole.len()));
-                j.extend_from_slice(&whole);
-                j.extend_from_slice(&data);
-                joined = Some(j);
-            }
+        if !data.is_empty() {
+            // A copy started by a second piece has room for twice the first.
+            let room = 2 * whole.len();
+            whole.push(data, room);
         }
     }
-    Ok(joined.map_or(whole, BytesMut::freeze))
+    Ok(whole.take().unwrap_or_default())
 }
 
 fn list_models(snap: &Snapshot) -> Response {
@@ -553,7 +544,7 @@ struct Ctx<'a> {
     /// The client's headers; each attempt forwards the ones that may go upstream.
     client_headers: &'a HeaderMap,
     /// The gateway's id for the request, sent upstream as `x-request-id`.
-    request_id: Option<HeaderValue>,
+    request_id: HeaderValue,
     req: &'a Classified<'a>,
     body: Bytes,
     route_id: RouteId,
@@ -1676,9 +1667,7 @@ fn build_upstream_request(
     let mut headers = forward_headers(ctx.client_headers);
     // The backend sees the gateway's id for the request (the client's own when it sent a
     // sane one), so the two logs can be matched.
-    if let Some(v) = &ctx.request_id {
-        headers.insert(HEADER_REQUEST_ID, v.clone());
-    }
+    headers.insert(HEADER_REQUEST_ID, ctx.request_id.clone());
     match bearer {
         Some(t) => {
             headers.insert(header::AUTHORIZATION, t.header().clone());
@@ -1793,8 +1782,8 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 .unwrap_or("");
             let sse = content_type.starts_with("text/event-stream");
             let json_body = content_type.starts_with("application/json");
-            // Room for the three added here and the request id.
-            let mut headers = response_headers(std::mem::take(&mut parts.headers), 4);
+            let mut headers =
+                response_headers(std::mem::take(&mut parts.headers), ADDED_RESPONSE_HEADERS);
             let strip = ctx.strip_usage && sse;
             if strip {
                 // The body changes length when the usage chunk is taken out.

@@ -75,15 +75,18 @@ fn sane_request_id(v: &http::HeaderValue) -> bool {
 
 /// A new request id: 16 random hex digits, written without a formatter (every request
 /// without an id of its own takes one). Always a valid header value.
-fn new_request_id() -> Option<http::HeaderValue> {
+fn new_request_id() -> http::HeaderValue {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut n = fastrand::u64(..);
+    let id = fastrand::u64(..);
+    let mut n = id;
     let mut digits = [0u8; 16];
     for d in digits.iter_mut().rev() {
         *d = HEX[(n & 15) as usize];
         n >>= 4;
     }
-    http::HeaderValue::from_bytes(&digits).ok()
+    // Hex digits are visible ASCII, which a header value always accepts: the decimal
+    // form (infallible) only makes the function total.
+    http::HeaderValue::from_bytes(&digits).unwrap_or_else(|_| http::HeaderValue::from(id))
 }
 
 /// Gives every request an id (the client's `x-request-id` when present and sane, else a
@@ -99,10 +102,11 @@ async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Reques
         .get(crate::proxy::HEADER_REQUEST_ID)
         .filter(|v| sane_request_id(v))
     {
-        Some(v) => Some(v.clone()),
+        Some(v) => v.clone(),
         None => new_request_id(),
     };
-    let id = header.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-");
+    // A sane id is ASCII: the fallback is never taken.
+    let id = header.to_str().unwrap_or("-");
     let span = tracing::info_span!("req", request_id = %id);
     let Some(probes) = probes else {
         let low = crate::priority::treated_as_low(
@@ -127,17 +131,13 @@ async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Reques
                 ])
                 .inc();
         }
-        if let Some(v) = header {
-            resp.headers_mut()
-                .insert(crate::proxy::HEADER_REQUEST_ID, v);
-        }
+        resp.headers_mut()
+            .insert(crate::proxy::HEADER_REQUEST_ID, header);
         return resp;
     };
     let Ok(mut resp) = probes.oneshot(req).instrument(span).await;
-    if let Some(v) = header {
-        resp.headers_mut()
-            .insert(crate::proxy::HEADER_REQUEST_ID, v);
-    }
+    resp.headers_mut()
+        .insert(crate::proxy::HEADER_REQUEST_ID, header);
     resp
 }
 
