@@ -761,13 +761,21 @@ fn framing(
 /// header twice) are one length; unequal or malformed ones are an error.
 pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
     let mut length = None;
+    let mut one = |n: u64| {
+        if length.is_some_and(|l| l != n) {
+            return Err("conflicting content-length values");
+        }
+        length = Some(n);
+        Ok(())
+    };
     for v in headers.get_all(header::CONTENT_LENGTH) {
+        // Plain digits, as every client and backend sends: one token, nothing to trim.
+        if let Some(n) = decimal(v.as_bytes()) {
+            one(n)?;
+            continue;
+        }
         for part in tokens(v) {
-            let n = decimal(part).ok_or("invalid content-length")?;
-            if length.is_some_and(|l| l != n) {
-                return Err("conflicting content-length values");
-            }
-            length = Some(n);
+            one(decimal(part).ok_or("invalid content-length")?)?;
         }
     }
     Ok(length)
