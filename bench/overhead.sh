@@ -12,7 +12,11 @@
 # - requests/s, p50 / p99 / p99.9 latency, p99 added over direct, throughput relative
 #   to nginx and to direct, and for each proxy its CPU time per request (user+sys of its
 #   process over the run) and peak RSS;
-# - time to the first event of a stream, one stream at a time, against each target;
+# - the 0 ms, 64-connection figures again, in ROUNDS short rounds (ROUND_SECS each) that
+#   alternate nginx and spillgate: medians and ranges of throughput, CPU per request
+#   and their ratios, the figures to quote on a shared machine;
+# - time to the first event of a stream, one stream at a time, against each target, in
+#   rounds (medians and ranges of the rounds' p50, p99 and what each adds to direct);
 # - 5,000 SSE streams open at once through nginx and through spillgate: how many
 #   completed, peak RSS.
 set -euo pipefail
@@ -20,8 +24,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 
 DURATION=${DURATION:-10}
+# The headline figures (0 ms backend, 64 connections): ROUNDS rounds of ROUND_SECS
+# seconds each, nginx and spillgate taking turns to go first.
+ROUNDS=${ROUNDS:-5}
+ROUND_SECS=${ROUND_SECS:-4}
 if [[ -n ${SMOKE:-} ]]; then
-    DURATION=2
+    DURATION=2; ROUNDS=1; ROUND_SECS=1
 fi
 
 . bench/lib.sh
@@ -80,6 +88,54 @@ measure() {
 # In a smoke run, any error fails the script.
 check_errors() { # errors what
     if [[ -n ${SMOKE:-} && $1 != 0 ]]; then echo "smoke: $2 had $1 errors" >&2; FAILED=1; fi
+}
+
+# CPU seconds (user+sys) of the processes `pids`, together.
+cpu_of() { # pids
+    local total=0
+    for p in $1; do total=$(awk -v a="$total" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}'); done
+    echo "$total"
+}
+
+# median_range <format> <values...>: "median (min to max)", each in the printf format;
+# a format ending in × gives the sign to the median only.
+median_range() {
+    local fmt=$1; shift
+    printf '%s\n' "$@" | sort -g | awk -v f="$fmt" '{v[NR]=$1} END {
+        m = (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2
+        g = f; sub(/×$/, "", g)
+        printf f " (" g " to " g ")", m, v[1], v[NR] }'
+}
+
+# The headline figures, measured again in short rounds that alternate nginx and
+# spillgate (each goes first in every other round), against the 0 ms backend at 64
+# connections: on a shared machine one pass of each moves by 10-30%, so the median of
+# the rounds' ratios, with their range, is what to quote. Rows go to $WORK/rounds.md.
+alternate() { # nginx_port nginx_pids spillgate_port spillgate_pids
+    local body payload r order target port pids before after n rps cpu
+    for body in "${BODIES[@]}"; do
+        payload=$JSON; [[ $body == sse ]] && payload=$SSE
+        local rn=() rs=() cn=() cs=() ratio=() cratio=()
+        for r in $(seq 1 "$ROUNDS"); do
+            order="nginx spillgate"; (( r % 2 == 0 )) && order="spillgate nginx"
+            declare -A M=()
+            for target in $order; do
+                if [[ $target == nginx ]]; then port=$1; pids=$2; else port=$3; pids=$4; fi
+                before=$(cpu_of "$pids")
+                read -r rps _ _ _ err n <<<"$(DURATION=$ROUND_SECS measure "http://127.0.0.1:$port/v1/chat/completions" "$payload" 64)"
+                after=$(cpu_of "$pids")
+                check_errors "$err" "$target rounds $body"
+                cpu=$(awk -v a="$before" -v b="$after" -v n="$n" 'BEGIN{ if (n>0) printf "%.2f", (b-a)*1e6/n; else print 0 }')
+                M[$target]="$rps $cpu"
+            done
+            read -r nr nc <<<"${M[nginx]}"; read -r sr sc <<<"${M[spillgate]}"
+            rn+=("$nr"); rs+=("$sr"); cn+=("$nc"); cs+=("$sc")
+            ratio+=("$(awk -v a="$sr" -v b="$nr" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
+            cratio+=("$(awk -v a="$sc" -v b="$nc" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
+            unset M
+        done
+        echo "| $body | $ROUNDS × ${ROUND_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") |" >>"$WORK/rounds.md"
+    done
 }
 
 echo "| backend latency | body | conns | target | req/s | p50 ms | p99 ms | p99.9 ms | p99 added ms | vs nginx | vs direct | proxy CPU µs/req | proxy CPU s/10k req | proxy peak RSS MB | errors |"
@@ -153,17 +209,27 @@ for lat in "${LATENCIES[@]}"; do
             echo "| 0 ms | json | 1 (pinned) | $target | $rps | $p50 | $p99 | $p999 | $added | | | | | | $err |"
         done
         unset F
+        alternate "$nport" "$npid" "$sport" "$spid"
     fi
 done
+
+if [[ -s $WORK/rounds.md ]]; then
+    echo
+    echo "| 0 ms backend, 64 connections, in rounds | rounds | nginx req/s | spillgate req/s | spillgate vs nginx | nginx CPU µs/req | spillgate CPU µs/req | CPU vs nginx |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+    cat "$WORK/rounds.md"
+fi
 
 # ---------------------------------------------------------------------------
 # Streams: time to the first event, and many streams open at once.
 # ---------------------------------------------------------------------------
-TTFB_N=200; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
-if [[ -n ${SMOKE:-} ]]; then TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
+TTFB_ROUNDS=4; TTFB_N=50; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
+if [[ -n ${SMOKE:-} ]]; then TTFB_ROUNDS=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
 
-# One stream at a time, chunks 10 ms apart: what a proxy adds before the first event
-# (the gateway forwards a chunk once two scheduler turns bring no other).
+# One stream at a time, chunks 10 ms apart: what a proxy adds before the first event.
+# TTFB_ROUNDS rounds of TTFB_N streams against each target in turn (the order turning
+# each round); what a proxy adds is its p50 (p99) less direct's in the same round, and
+# the table gives the median over the rounds, with their range.
 start_mock 0 10 10; mport=$PORT; wait_port "$mport"
 start_nginx "$mport"; nport=$PORT; wait_port "$nport"
 start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
@@ -171,19 +237,30 @@ echo
 echo "| stream, chunks 10 ms apart, one at a time | streams | complete | first event p50 ms | p99 ms | p50 added ms | p99 added ms |"
 echo "|---|---:|---:|---:|---:|---:|---:|"
 declare -A T=()
-for target in direct nginx spillgate; do
-    case $target in
-        direct) port=$mport ;; nginx) port=$nport ;; spillgate) port=$sport ;;
-    esac
-    T[$target]=$(python3 bench/streams.py ttfb "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N")
+targets=(direct nginx spillgate)
+for r in $(seq 1 "$TTFB_ROUNDS"); do
+    for i in 0 1 2; do
+        target=${targets[$(( (i + r - 1) % 3 ))]}
+        case $target in
+            direct) port=$mport ;; nginx) port=$nport ;; spillgate) port=$sport ;;
+        esac
+        read -r n complete p50 p99 <<<"$(python3 bench/streams.py ttfb "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["n"], r["complete"], r["p50_ms"], r["p99_ms"])')"
+        check_errors "$((n - complete))" "$target first-event streams"
+        T[$target.n]=$(( ${T[$target.n]:-0} + n )); T[$target.complete]=$(( ${T[$target.complete]:-0} + complete ))
+        T[$target.p50]="${T[$target.p50]:-} $p50"; T[$target.p99]="${T[$target.p99]:-} $p99"
+    done
 done
-dp50=$(echo "${T[direct]}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p50_ms"])')
-dp99=$(echo "${T[direct]}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p99_ms"])')
-for target in direct nginx spillgate; do
-    read -r n complete p50 p99 <<<"$(echo "${T[$target]}" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["n"], r["complete"], r["p50_ms"], r["p99_ms"])')"
-    check_errors "$((n - complete))" "$target first-event streams"
-    echo "| $target | $n | $complete | $p50 | $p99 | $(awk -v a="$p50" -v b="$dp50" 'BEGIN{printf "%.3f", a-b}') | $(awk -v a="$p99" -v b="$dp99" 'BEGIN{printf "%.3f", a-b}') |"
+read -r -a dp50 <<<"${T[direct.p50]}"; read -r -a dp99 <<<"${T[direct.p99]}"
+for target in "${targets[@]}"; do
+    read -r -a p50 <<<"${T[$target.p50]}"; read -r -a p99 <<<"${T[$target.p99]}"
+    a50=(); a99=()
+    for i in "${!p50[@]}"; do
+        a50+=("$(awk -v a="${p50[$i]}" -v b="${dp50[$i]}" 'BEGIN{print a-b}')")
+        a99+=("$(awk -v a="${p99[$i]}" -v b="${dp99[$i]}" 'BEGIN{print a-b}')")
+    done
+    echo "| $target | ${T[$target.n]} | ${T[$target.complete]} | $(median_range %.3f "${p50[@]}") | $(median_range %.3f "${p99[@]}") | $(median_range %.3f "${a50[@]}") | $(median_range %.3f "${a99[@]}") |"
 done
+unset T
 
 # Many streams open at once through a fresh proxy (so its peak RSS is theirs): nginx (the
 # sum of its workers' peaks), then spillgate.
