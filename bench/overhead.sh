@@ -12,11 +12,12 @@
 # - requests/s, p50 / p99 / p99.9 latency, p99 added over direct, throughput relative
 #   to nginx and to direct, and for each proxy its CPU time per request (user+sys of its
 #   process over the run) and peak RSS;
-# - the 0 ms, 64-connection figures again, in ROUNDS short rounds (ROUND_SECS each) that
+# - the 0 ms, 64-connection figures again, in PASSES short passes (PASS_SECS each) that
 #   alternate nginx and spillgate: medians and ranges of throughput, CPU per request
-#   and their ratios, the figures to quote on a shared machine;
+#   (also split into user and kernel time) and their ratios, the figures to quote on a
+#   shared machine;
 # - time to the first event of a stream, one stream at a time, against each target, in
-#   rounds (medians and ranges of the rounds' p50, p99 and what each adds to direct);
+#   passes (medians and ranges of the passes' p50, p99 and what each adds to direct);
 # - 5,000 SSE streams open at once through nginx and through spillgate: how many
 #   completed, peak RSS.
 set -euo pipefail
@@ -24,12 +25,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 
 DURATION=${DURATION:-10}
-# The headline figures (0 ms backend, 64 connections): ROUNDS rounds of ROUND_SECS
+# The headline figures (0 ms backend, 64 connections): PASSES passes of PASS_SECS
 # seconds each, nginx and spillgate taking turns to go first.
-ROUNDS=${ROUNDS:-5}
-ROUND_SECS=${ROUND_SECS:-4}
+PASSES=${PASSES:-6}
+PASS_SECS=${PASS_SECS:-4}
 if [[ -n ${SMOKE:-} ]]; then
-    DURATION=2; ROUNDS=1; ROUND_SECS=1
+    DURATION=2; PASSES=2; PASS_SECS=1
 fi
 
 . bench/lib.sh
@@ -90,15 +91,15 @@ check_errors() { # errors what
     if [[ -n ${SMOKE:-} && $1 != 0 ]]; then echo "smoke: $2 had $1 errors" >&2; FAILED=1; fi
 }
 
-# CPU seconds (user+sys) of the processes `pids`, together.
+# User and system CPU seconds of the processes `pids`, together: "user sys".
 cpu_of() { # pids
-    local total=0
-    for p in $1; do total=$(awk -v a="$total" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}'); done
-    echo "$total"
+    local p stats=""
+    for p in $1; do stats+="$(cat "/proc/$p/stat")"$'\n'; done
+    printf '%s' "$stats" | awk -v t="$(getconf CLK_TCK)" '{u += $14; s += $15} END {print u/t, s/t}'
 }
 
 # median_range <format> <values...>: "median (min to max)", each in the printf format;
-# a format ending in × gives the sign to the median only.
+# with a format ending in ×, the × follows the median only.
 median_range() {
     local fmt=$1; shift
     printf '%s\n' "$@" | sort -g | awk -v f="$fmt" '{v[NR]=$1} END {
@@ -107,34 +108,43 @@ median_range() {
         printf f " (" g " to " g ")", m, v[1], v[NR] }'
 }
 
-# The headline figures, measured again in short rounds that alternate nginx and
-# spillgate (each goes first in every other round), against the 0 ms backend at 64
+# The headline figures, measured again in short passes that alternate nginx and
+# spillgate (each goes first in every other pass), against the 0 ms backend at 64
 # connections: on a shared machine one pass of each moves by 10-30%, so the median of
-# the rounds' ratios, with their range, is what to quote. Rows go to $WORK/rounds.md.
+# the passes' ratios, with their range, is what to quote. Rows go to $WORK/passes.md.
 alternate() { # nginx_port nginx_pids spillgate_port spillgate_pids
-    local body payload r order target port pids before after n rps cpu
+    local body payload r order target port pids before after n rps err cpu user sys
+    local nr nc nu nsys sr sc su ssys
     for body in "${BODIES[@]}"; do
         payload=$JSON; [[ $body == sse ]] && payload=$SSE
-        local rn=() rs=() cn=() cs=() ratio=() cratio=()
-        for r in $(seq 1 "$ROUNDS"); do
+        local rn=() rs=() cn=() cs=() ratio=() cratio=() un=() us=() sn=() ss=()
+        for r in $(seq 1 "$PASSES"); do
             order="nginx spillgate"; (( r % 2 == 0 )) && order="spillgate nginx"
             declare -A M=()
             for target in $order; do
                 if [[ $target == nginx ]]; then port=$1; pids=$2; else port=$3; pids=$4; fi
                 before=$(cpu_of "$pids")
-                read -r rps _ _ _ err n <<<"$(DURATION=$ROUND_SECS measure "http://127.0.0.1:$port/v1/chat/completions" "$payload" 64)"
+                read -r rps _ _ _ err n <<<"$(DURATION=$PASS_SECS measure "http://127.0.0.1:$port/v1/chat/completions" "$payload" 64)"
                 after=$(cpu_of "$pids")
-                check_errors "$err" "$target rounds $body"
-                cpu=$(awk -v a="$before" -v b="$after" -v n="$n" 'BEGIN{ if (n>0) printf "%.2f", (b-a)*1e6/n; else print 0 }')
-                M[$target]="$rps $cpu"
+                if [[ -z $n || $n -le 0 ]]; then
+                    echo "overhead.sh: $target served nothing in a pass ($body)" >&2
+                    exit 1
+                fi
+                check_errors "$err" "$target passes $body"
+                # Microseconds a request: user+sys, user, sys.
+                read -r cpu user sys <<<"$(echo "$before $after" | awk -v n="$n" '{
+                    if (n > 0) printf "%.2f %.2f %.2f", ($3+$4-$1-$2)*1e6/n, ($3-$1)*1e6/n, ($4-$2)*1e6/n
+                    else print "0 0 0" }')"
+                M[$target]="$rps $cpu $user $sys"
             done
-            read -r nr nc <<<"${M[nginx]}"; read -r sr sc <<<"${M[spillgate]}"
+            read -r nr nc nu nsys <<<"${M[nginx]}"; read -r sr sc su ssys <<<"${M[spillgate]}"
             rn+=("$nr"); rs+=("$sr"); cn+=("$nc"); cs+=("$sc")
+            un+=("$nu"); us+=("$su"); sn+=("$nsys"); ss+=("$ssys")
             ratio+=("$(awk -v a="$sr" -v b="$nr" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
             cratio+=("$(awk -v a="$sc" -v b="$nc" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
             unset M
         done
-        echo "| $body | $ROUNDS × ${ROUND_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") |" >>"$WORK/rounds.md"
+        echo "| $body | $PASSES × ${PASS_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") | $(median_range %.1f "${un[@]}") | $(median_range %.1f "${us[@]}") | $(median_range %.1f "${sn[@]}") | $(median_range %.1f "${ss[@]}") |" >>"$WORK/passes.md"
     done
 }
 
@@ -213,23 +223,23 @@ for lat in "${LATENCIES[@]}"; do
     fi
 done
 
-if [[ -s $WORK/rounds.md ]]; then
+if [[ -s $WORK/passes.md ]]; then
     echo
-    echo "| 0 ms backend, 64 connections, in rounds | rounds | nginx req/s | spillgate req/s | spillgate vs nginx | nginx CPU µs/req | spillgate CPU µs/req | CPU vs nginx |"
-    echo "|---|---:|---:|---:|---:|---:|---:|---:|"
-    cat "$WORK/rounds.md"
+    echo "| 0 ms backend, 64 connections, in passes | passes | nginx req/s | spillgate req/s | spillgate vs nginx | nginx CPU µs/req | spillgate CPU µs/req | CPU vs nginx | nginx user µs/req | spillgate user µs/req | nginx sys µs/req | spillgate sys µs/req |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    cat "$WORK/passes.md"
 fi
 
 # ---------------------------------------------------------------------------
 # Streams: time to the first event, and many streams open at once.
 # ---------------------------------------------------------------------------
-TTFB_ROUNDS=4; TTFB_N=50; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
-if [[ -n ${SMOKE:-} ]]; then TTFB_ROUNDS=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
+TTFB_PASSES=3; TTFB_N=100; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
+if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
 
 # One stream at a time, chunks 10 ms apart: what a proxy adds before the first event.
-# TTFB_ROUNDS rounds of TTFB_N streams against each target in turn (the order turning
-# each round); what a proxy adds is its p50 (p99) less direct's in the same round, and
-# the table gives the median over the rounds, with their range.
+# TTFB_PASSES passes of TTFB_N streams against each target in turn (each target going
+# first once); what a proxy adds is its p50 (p99) less direct's in the same pass, and
+# the table gives the median over the passes, with their range.
 start_mock 0 10 10; mport=$PORT; wait_port "$mport"
 start_nginx "$mport"; nport=$PORT; wait_port "$nport"
 start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
@@ -238,13 +248,18 @@ echo "| stream, chunks 10 ms apart, one at a time | streams | complete | first e
 echo "|---|---:|---:|---:|---:|---:|---:|"
 declare -A T=()
 targets=(direct nginx spillgate)
-for r in $(seq 1 "$TTFB_ROUNDS"); do
+for r in $(seq 1 "$TTFB_PASSES"); do
     for i in 0 1 2; do
         target=${targets[$(( (i + r - 1) % 3 ))]}
         case $target in
             direct) port=$mport ;; nginx) port=$nport ;; spillgate) port=$sport ;;
         esac
-        read -r n complete p50 p99 <<<"$(python3 bench/streams.py ttfb "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["n"], r["complete"], r["p50_ms"], r["p99_ms"])')"
+        res=$(python3 bench/streams.py ttfb "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N")
+        read -r n complete p50 p99 <<<"$(echo "$res" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["n"], r["complete"], r["p50_ms"], r["p99_ms"])')"
+        if [[ $complete -le 0 ]]; then
+            echo "overhead.sh: no stream through $target completed" >&2
+            exit 1
+        fi
         check_errors "$((n - complete))" "$target first-event streams"
         T[$target.n]=$(( ${T[$target.n]:-0} + n )); T[$target.complete]=$(( ${T[$target.complete]:-0} + complete ))
         T[$target.p50]="${T[$target.p50]:-} $p50"; T[$target.p99]="${T[$target.p99]:-} $p99"

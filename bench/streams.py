@@ -11,6 +11,7 @@ line of JSON.
 
 import asyncio
 import json
+import math
 import resource
 import sys
 import time
@@ -102,7 +103,9 @@ async def ttfb(url, n):
     times.sort()
 
     def pct(p):
-        return round(times[min(len(times) - 1, int(len(times) * p))], 3) if times else None
+        # Nearest rank: the smallest time at least a share p of the streams took no longer than.
+        rank = max(1, math.ceil(len(times) * p))
+        return round(times[rank - 1], 3) if times else None
 
     return dict(n=n, complete=state["complete"], p50_ms=pct(0.5), p99_ms=pct(0.99))
 
