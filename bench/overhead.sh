@@ -2,11 +2,14 @@
 # Gateway overhead: the same load, in alternation, against the mock backend directly,
 # nginx as a plain reverse proxy, and spillgate with two tiers, on loopback only.
 #
-#   bench/overhead.sh            # full run (10 s per measurement)
+#   bench/overhead.sh            # full run (DURATION=10 s per measurement, then
+#                                # PASSES=6 passes of PASS_SECS=4 s for the headline case)
 #   DURATION=3 bench/overhead.sh # shorter
 #   SMOKE=1 bench/overhead.sh    # a few seconds, one case of each part, debug build
 #                                # (what ./test.sh runs, so the script cannot rot)
 #   ONLY=streams bench/overhead.sh  # the stream measurements only (first event, RSS)
+#   TTFB_CLIENT=ttfb-kept ONLY=streams bench/overhead.sh  # first event from a blocking
+#                                # client on kept-alive connections (bench/streams.py)
 #
 # Installs wrk and nginx with apt-get when missing. Prints markdown tables:
 # - requests/s, p50 / p99 / p99.9 latency, p99 added over direct, throughput relative
@@ -29,6 +32,14 @@ DURATION=${DURATION:-10}
 # seconds each, nginx and spillgate taking turns to go first.
 PASSES=${PASSES:-6}
 PASS_SECS=${PASS_SECS:-4}
+# The first-event client: ttfb (asyncio, a new connection each stream), ttfb-blocking
+# (a blocking socket, a new connection each) or ttfb-kept (a blocking socket, one
+# kept-alive connection); see bench/streams.py.
+TTFB_CLIENT=${TTFB_CLIENT:-ttfb}
+case $TTFB_CLIENT in
+    ttfb | ttfb-blocking | ttfb-kept) ;;
+    *) echo "overhead.sh: TTFB_CLIENT must be ttfb, ttfb-blocking or ttfb-kept" >&2; exit 2 ;;
+esac
 if [[ -n ${SMOKE:-} ]]; then
     DURATION=2; PASSES=2; PASS_SECS=1
 fi
@@ -71,9 +82,18 @@ worker_pids() { # master_pid
     return 1
 }
 
-# CPU seconds (user+sys) of a process, and its peak RSS in MB.
-cpu_secs() { awk -v t="$(getconf CLK_TCK)" '{print ($14+$15)/t}' "/proc/$1/stat"; }
-rss_mb() { awk '/VmHWM/ {print $2/1024}' "/proc/$1/status"; }
+# The processes `pids` together (none: zeros): their user and system CPU seconds
+# ("user sys"), their CPU seconds, and their peak RSS in MB.
+cpu_of() { # pids
+    local p
+    for p in $1; do cat "/proc/$p/stat"; done |
+        awk -v t="$(getconf CLK_TCK)" '{u += $14; s += $15} END {print u/t, s/t}'
+}
+cpu_total() { cpu_of "$1" | awk '{print $1 + $2}'; }
+rss_of() { # pids
+    local p
+    for p in $1; do awk '/VmHWM/ {print $2}' "/proc/$p/status"; done | awk '{kb += $1} END {print kb/1024}'
+}
 pid_on() { ss -ltnp "sport = :$1" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2; }
 
 # measure <url> <body> <connections> [pin] -> "rps p50 p99 p999 errors requests"
@@ -89,13 +109,6 @@ measure() {
 # In a smoke run, any error fails the script.
 check_errors() { # errors what
     if [[ -n ${SMOKE:-} && $1 != 0 ]]; then echo "smoke: $2 had $1 errors" >&2; FAILED=1; fi
-}
-
-# User and system CPU seconds of the processes `pids`, together: "user sys".
-cpu_of() { # pids
-    local p stats=""
-    for p in $1; do stats+="$(cat "/proc/$p/stat")"$'\n'; done
-    printf '%s' "$stats" | awk -v t="$(getconf CLK_TCK)" '{u += $14; s += $15} END {print u/t, s/t}'
 }
 
 # median_range <format> <values...>: "median (min to max)", each in the printf format;
@@ -174,10 +187,10 @@ for lat in "${LATENCIES[@]}"; do
                     nginx) url="http://127.0.0.1:$nport/v1/chat/completions"; pids=$npid ;;
                     spillgate) url="http://127.0.0.1:$sport/v1/chat/completions"; pids=$spid ;;
                 esac
-                before=0; for p in $pids; do before=$(awk -v a="$before" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}'); done
+                before=$(cpu_total "$pids")
                 R[$target]=$(measure "$url" "$payload" "$c")
-                after=0; for p in $pids; do after=$(awk -v a="$after" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}'); done
-                rss=0; for p in $pids; do rss=$(awk -v a="$rss" -v b="$(rss_mb "$p")" 'BEGIN{print a+b}'); done
+                after=$(cpu_total "$pids")
+                rss=$(rss_of "$pids")
                 R[$target.cpu]=$(awk -v a="$before" -v b="$after" -v n="$(echo "${R[$target]}" | awk '{print $6}')" 'BEGIN{ if (n>0) printf "%.1f", (b-a)*1e6/n; else print "-" }')
                 R[$target.rss]=$rss
             done
@@ -233,7 +246,7 @@ fi
 # ---------------------------------------------------------------------------
 # Streams: time to the first event, and many streams open at once.
 # ---------------------------------------------------------------------------
-TTFB_PASSES=3; TTFB_N=100; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
+TTFB_PASSES=${TTFB_PASSES:-3}; TTFB_N=${TTFB_N:-100}; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
 if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
 
 # One stream at a time, chunks 10 ms apart: what a proxy adds before the first event.
@@ -244,7 +257,7 @@ start_mock 0 10 10; mport=$PORT; wait_port "$mport"
 start_nginx "$mport"; nport=$PORT; wait_port "$nport"
 start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
 echo
-echo "| stream, chunks 10 ms apart, one at a time | streams | complete | first event p50 ms | p99 ms | p50 added ms | p99 added ms |"
+echo "| stream, chunks 10 ms apart, one at a time ($TTFB_CLIENT) | streams | complete | first event p50 ms | p99 ms | p50 added ms | p99 added ms |"
 echo "|---|---:|---:|---:|---:|---:|---:|"
 declare -A T=()
 targets=(direct nginx spillgate)
@@ -254,7 +267,7 @@ for r in $(seq 1 "$TTFB_PASSES"); do
         case $target in
             direct) port=$mport ;; nginx) port=$nport ;; spillgate) port=$sport ;;
         esac
-        res=$(python3 bench/streams.py ttfb "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N")
+        res=$(python3 bench/streams.py "$TTFB_CLIENT" "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N")
         read -r n complete p50 p99 <<<"$(echo "$res" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["n"], r["complete"], r["p50_ms"], r["p99_ms"])')"
         if [[ $complete -le 0 ]]; then
             echo "overhead.sh: no stream through $target completed" >&2
@@ -276,6 +289,15 @@ for target in "${targets[@]}"; do
     echo "| $target | ${T[$target.n]} | ${T[$target.complete]} | $(median_range %.3f "${p50[@]}") | $(median_range %.3f "${p99[@]}") | $(median_range %.3f "${a50[@]}") | $(median_range %.3f "${a99[@]}") |"
 done
 unset T
+if [[ -n ${SMOKE:-} ]]; then
+    # The other first-event clients, a few streams each, so that they cannot rot.
+    for client in ttfb-blocking ttfb-kept; do
+        [[ $client == "$TTFB_CLIENT" ]] && continue
+        res=$(python3 bench/streams.py "$client" "http://127.0.0.1:$sport/v1/chat/completions" 3)
+        complete=$(echo "$res" | python3 -c 'import json,sys; print(json.load(sys.stdin)["complete"])')
+        check_errors "$((3 - complete))" "$client first-event streams"
+    done
+fi
 
 # Many streams open at once through a fresh proxy (so its peak RSS is theirs): nginx (the
 # sum of its workers' peaks), then spillgate.
@@ -291,13 +313,10 @@ for target in nginx spillgate; do
         start_spillgate "$mport"; port=$PORT; wait_port "$port"
         pids=$(pid_on "$port")
     fi
-    before=0; for p in $pids; do before=$(awk -v a="$before" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}'); done
+    before=$(cpu_total "$pids")
     res=$(python3 bench/streams.py concurrent "http://127.0.0.1:$port/v1/chat/completions" "$STREAMS")
-    after=0; rss=0
-    for p in $pids; do
-        after=$(awk -v a="$after" -v b="$(cpu_secs "$p")" 'BEGIN{print a+b}')
-        rss=$(awk -v a="$rss" -v b="$(rss_mb "$p")" 'BEGIN{print a+b}')
-    done
+    after=$(cpu_total "$pids")
+    rss=$(rss_of "$pids")
     read -r streams peak complete incomplete cerr secs <<<"$(echo "$res" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["streams"], r["peak_open"], r["complete"], r["incomplete"], r["connect_errors"], r["seconds"])')"
     echo "| $target | $streams | $peak | $complete | $((incomplete + cerr)) | $secs | $(printf "%.1f" "$rss") | $(awk -v a="$before" -v b="$after" 'BEGIN{printf "%.2f", b-a}') |"
     check_errors "$((streams - complete))" "$target concurrent streams"

@@ -3,16 +3,21 @@
 
   streams.py concurrent URL N   open N streams at once; report how many completed
   streams.py ttfb URL N         N streams one after the other; time to first event
+  streams.py ttfb-blocking URL N
+                                the same with a blocking socket, a new connection each
+  streams.py ttfb-kept URL N    the same with a blocking socket, one kept-alive connection
 
-Each stream is one POST with `Connection: close`, read to the end. A stream counts as
-complete when its status is 200 and its body ends with `data: [DONE]`. Output is one
-line of JSON.
+Each stream is one POST, read to the end; `Connection: close` except in ttfb-kept. A
+stream counts as complete when its status is 200 and its body ends with `data: [DONE]`
+(ttfb-kept: the chunked body's last chunk follows it). The blocking modes take the event
+loop out of what is timed. Output is one line of JSON.
 """
 
 import asyncio
 import json
 import math
 import resource
+import socket
 import sys
 import time
 from urllib.parse import urlsplit
@@ -27,13 +32,25 @@ BODY = json.dumps(
 ).encode()
 
 
-def request_bytes(url):
+def request_bytes(url, connection="close"):
     u = urlsplit(url)
     head = (
         f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(BODY)}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {len(BODY)}\r\nConnection: {connection}\r\n\r\n"
     ).encode()
     return u.hostname, u.port, head + BODY
+
+
+def percentiles(times_ms, n, complete):
+    """p50 and p99 of the times, by nearest rank: the smallest time that at least that
+    share of the streams took no longer than."""
+    times = sorted(times_ms)
+
+    def pct(p):
+        rank = max(1, math.ceil(len(times) * p))
+        return round(times[rank - 1], 3) if times else None
+
+    return dict(n=n, complete=complete, p50_ms=pct(0.5), p99_ms=pct(0.99))
 
 
 async def one_stream(url, state, timeout):
@@ -100,23 +117,66 @@ async def ttfb(url, n):
         t = await one_stream(url, state, 30)
         if t is not None:
             times.append(t * 1000)
-    times.sort()
+    return percentiles(times, n, state["complete"])
 
-    def pct(p):
-        # Nearest rank: the smallest time at least a share p of the streams took no longer than.
-        rank = max(1, math.ceil(len(times) * p))
-        return round(times[rank - 1], 3) if times else None
 
-    return dict(n=n, complete=state["complete"], p50_ms=pct(0.5), p99_ms=pct(0.99))
+def blocking_stream(sock, req, kept):
+    """Send one stream's request on `sock` and read its response to the end: (ttfb in
+    seconds or None, complete)."""
+    start = time.monotonic()
+    sock.sendall(req)
+    data = b""
+    ttfb = None
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        head_end = data.find(b"\r\n\r\n")
+        if ttfb is None and head_end >= 0 and b"data:" in data[head_end:]:
+            ttfb = time.monotonic() - start
+        if kept and head_end >= 0 and data.endswith(b"\r\n0\r\n\r\n"):
+            break
+    body = data.split(b"\r\n\r\n", 1)[-1]
+    tail = body[:-7] if kept else body
+    return ttfb, data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in tail[-64:]
+
+
+def ttfb_blocking(url, n, kept):
+    host, port, req = request_bytes(url, "keep-alive" if kept else "close")
+    times, complete, sock = [], 0, None
+    for _ in range(n):
+        try:
+            if sock is None:
+                sock = socket.create_connection((host, port), timeout=30)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t, ok = blocking_stream(sock, req, kept)
+        except OSError:
+            t, ok = None, False
+        if t is not None:
+            times.append(t * 1000)
+        complete += ok
+        if not (kept and ok) and sock is not None:
+            sock.close()
+            sock = None
+    if sock is not None:
+        sock.close()
+    return percentiles(times, n, complete)
 
 
 def main():
-    if len(sys.argv) != 4 or sys.argv[1] not in ("concurrent", "ttfb"):
+    modes = ("concurrent", "ttfb", "ttfb-blocking", "ttfb-kept")
+    if len(sys.argv) != 4 or sys.argv[1] not in modes:
         sys.exit(__doc__)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     mode, url, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    result = asyncio.run(concurrent(url, n) if mode == "concurrent" else ttfb(url, n))
+    if mode.startswith("ttfb-"):
+        result = ttfb_blocking(url, n, kept=mode == "ttfb-kept")
+    elif mode == "concurrent":
+        result = asyncio.run(concurrent(url, n))
+    else:
+        result = asyncio.run(ttfb(url, n))
     print(json.dumps(result))
 
 

@@ -1094,8 +1094,11 @@ mod tests {
         assert!(!same_ignoring_case(b"x-ms-regio", b"x-ms-region"));
         assert!(!same_ignoring_case(b"x-ms-regioN2", b"x-ms-region"));
         assert!(!same_ignoring_case(b"X_MS_REGION", b"x-ms-region"));
-        // A digit is not a letter: `0x10 | 0x20` is not `0`.
+        // 0x10 and `0` (0x30), `@` and `` ` ``, `[` and `{` differ only in the 0x20 bit,
+        // which is ignored only where the expected byte is a letter.
         assert!(!same_ignoring_case(b"\x10", b"0"));
+        assert!(!same_ignoring_case(b"@", b"`"));
+        assert!(!same_ignoring_case(b"[", b"{"));
     }
 
     #[test]

@@ -519,8 +519,9 @@ async fn collect_body(mut body: Body, max: usize) -> Result<Bytes, BodyRead> {
             return Err(BodyRead::TooLarge);
         }
         if !data.is_empty() {
-            // A copy started by a second piece has room for twice the first.
-            let room = 2 * whole.len();
+            // A copy started by a second piece has room for twice the first, within
+            // the limit.
+            let room = (2 * whole.len()).min(max);
             whole.push(data, room);
         }
     }

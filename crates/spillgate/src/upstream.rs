@@ -1042,9 +1042,12 @@ mod tests {
             let mut guard = lock(&pool);
             guard.put(&o, live.clone(), Instant::now());
             keep_reaped(&pool, guard);
-            // A reaper runs: the next `keep_reaped` starts none.
             assert!(lock(&pool).reaping);
         }
+        // A reaper runs: the next `keep_reaped` starts none (each reaper holds a weak
+        // reference to the pool).
+        keep_reaped(&pool, lock(&pool));
+        assert_eq!(Arc::weak_count(&pool), 1);
         tokio::time::sleep(IDLE_TIMEOUT - Duration::from_secs(1)).await;
         assert_eq!(lock(&pool).idle_h1(&o), 1);
         tokio::time::sleep(SWEEP_EVERY + Duration::from_secs(2)).await;
