@@ -339,9 +339,11 @@ pub fn upstream_target(
         body_is_object,
     } = *req;
     // The path's pieces joined, then the query: one allocation of the right size (this
-    // runs for every attempt; a formatter cost several times more).
+    // runs for every attempt; a formatter cost several times more). Exactly the size:
+    // a string that fills its allocation becomes the URI's bytes without another one.
     let with_query = |pieces: &[&str], q: String| {
-        let len = pieces.iter().map(|p| p.len()).sum::<usize>() + 1 + q.len();
+        let query = if q.is_empty() { 0 } else { 1 + q.len() };
+        let len = pieces.iter().map(|p| p.len()).sum::<usize>() + query;
         let mut p = String::with_capacity(len);
         for piece in pieces {
             p.push_str(piece);
@@ -595,6 +597,8 @@ mod tests {
             dep,
             (api, "2024-10-21"),
         );
+        // Built in an allocation of exactly its size (see `with_query`).
+        assert_eq!(t.path_and_query.capacity(), t.path_and_query.len());
         (t.path_and_query, t.body_model)
     }
 

@@ -76,9 +76,9 @@ impl Pool {
     fn first_usable_tier<T>(
         &self,
         eligible: impl Fn(BackendId) -> Option<T>,
-    ) -> Option<(Vec<Drawable<T>>, u64)> {
+    ) -> Option<(Drawables<T>, u64)> {
         self.tiers.iter().find_map(|tier| {
-            let members: Vec<Drawable<T>> = tier
+            let members: Drawables<T> = tier
                 .members
                 .iter()
                 .filter_map(|(id, w)| eligible(*id).map(|t| (*id, *w, t)))
@@ -91,6 +91,9 @@ impl Pool {
 
 /// A usable member: its id, weight, and what `eligible` said of it.
 type Drawable<T> = (BackendId, u32, T);
+/// The usable members of a tier: on the stack up to eight (a request draws from them
+/// at least once).
+type Drawables<T> = smallvec::SmallVec<[Drawable<T>; 8]>;
 
 /// Index of a member drawn with probability proportional to its weight.
 fn draw<T>(members: &[Drawable<T>], total: u64, rng: &mut fastrand::Rng) -> Option<usize> {

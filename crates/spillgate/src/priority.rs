@@ -432,14 +432,15 @@ fn keep_json(json: &mut Option<Joined>, data: &Bytes) {
     }
 }
 
-/// Called once with the usage total a response reported (or `None`).
+/// Called once with the usage total a response reported (or `None`). The tap takes any
+/// such function, held inline (the gateway's is a closure: no allocation of its own).
 pub type OnUsage = Box<dyn FnOnce(Option<u64>) + Send>;
 
 /// Passes a response body through while reading its `usage`. For SSE it reads event by
 /// event (`\n\n`-separated). Without `strip_usage_chunk` every chunk goes on as it came
 /// (only the unfinished tail of an event is kept aside, to read); with it, complete events
 /// are passed on and the usage-only chunk the gateway asked for is dropped.
-pub struct UsageTap<B> {
+pub struct UsageTap<B, F: FnOnce(Option<u64>) = OnUsage> {
     inner: B,
     sse: bool,
     /// Keep a copy of a JSON body to read its `usage` at the end.
@@ -451,17 +452,11 @@ pub struct UsageTap<B> {
     /// (a copy with a gap could be misread).
     json: Option<Joined>,
     usage: Option<u64>,
-    on_usage: Option<OnUsage>,
+    on_usage: Option<F>,
 }
 
-impl<B> UsageTap<B> {
-    pub fn new(
-        inner: B,
-        sse: bool,
-        json_body: bool,
-        strip_usage_chunk: bool,
-        on_usage: OnUsage,
-    ) -> Self {
+impl<B, F: FnOnce(Option<u64>)> UsageTap<B, F> {
+    pub fn new(inner: B, sse: bool, json_body: bool, strip_usage_chunk: bool, on_usage: F) -> Self {
         UsageTap {
             inner,
             sse,
@@ -614,9 +609,10 @@ fn is_usage_only_chunk(payload: &[u8]) -> bool {
         .unwrap_or(false)
 }
 
-impl<B> HttpBody for UsageTap<B>
+impl<B, F> HttpBody for UsageTap<B, F>
 where
     B: HttpBody<Data = Bytes> + Unpin,
+    F: FnOnce(Option<u64>) + Unpin,
 {
     type Data = Bytes;
     type Error = B::Error;
@@ -684,7 +680,7 @@ where
     }
 }
 
-impl<B> Drop for UsageTap<B> {
+impl<B, F: FnOnce(Option<u64>)> Drop for UsageTap<B, F> {
     fn drop(&mut self) {
         // hyper stops polling a body once it has the bytes its content-length declared,
         // and a client may go away mid-response: either way the end is seen here, and the

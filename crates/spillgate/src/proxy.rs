@@ -41,6 +41,7 @@ use crate::upstream::AttemptError;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
+use smallvec::SmallVec;
 
 // Header names are constants: a `&str` name is parsed and classified on every use.
 pub const HEADER_BACKEND: HeaderName = HeaderName::from_static("x-spillgate-backend");
@@ -207,6 +208,7 @@ struct Classified<'a> {
     operation: &'a str,
     query: Option<&'a str>,
     model: String,
+    /// The body as read for its model, without the model: that is `model`.
     body_info: Option<BodyInfo>,
 }
 
@@ -299,7 +301,9 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
     let (model, body_info) = match deployment {
         Some(d) => (d.to_string(), None),
         None => match inspect_body(&body) {
-            Ok(info) => match info.model.clone() {
+            // The model moves out of the body's description into the request's
+            // `model` (see `Classified::body_info`).
+            Ok(mut info) => match info.model.take() {
                 Some(m) if !is_safe_name(&m) => {
                     tracing::info!(model = ?truncate(&m), status = 400, code = "invalid_model", "request rejected: invalid model name");
                     return GatewayError::bad_request(
@@ -882,8 +886,8 @@ fn candidates<'a>(
 }
 
 /// The fallback chain of a request: its model and route, then each fallback model that
-/// some route serves.
-fn fallback_chain<'a>(ctx: &'a Ctx<'_>) -> Vec<Candidate<'a>> {
+/// some route serves. On the stack up to four: most requests have no fallback.
+fn fallback_chain<'a>(ctx: &'a Ctx<'_>) -> SmallVec<[Candidate<'a>; 4]> {
     std::iter::once(Candidate {
         model: &ctx.req.model,
         route: ctx.route_id,
@@ -953,7 +957,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let deadline_passed = || remaining().is_some_and(|r| r.is_zero());
 
     let mut rng = fastrand::Rng::new();
-    let mut tried: Vec<(BackendId, &str)> = Vec::new();
+    // On the stack for the first four attempts.
+    let mut tried: SmallVec<[(BackendId, &str); 4]> = SmallVec::new();
     let mut failures: Vec<Outcome> = Vec::new();
     let mut attempts: u32 = 0;
     let mut waited = Duration::ZERO;
@@ -1624,8 +1629,9 @@ fn build_upstream_request(
         .ok_or_else(|| anyhow::anyhow!("backend does not serve the model"))?;
     // Azure classic requests carry the model in the path; their body is only read when a
     // backend needs the model in the body (an OpenAI-kind backend).
-    let info = match (&req.body_info, backend.cfg.kind) {
-        (Some(i), _) => Some(i),
+    let (info, body_model) = match (&req.body_info, backend.cfg.kind) {
+        // Read when the request was classified; its model was taken into `req.model`.
+        (Some(i), _) => (Some(i), Some(req.model.as_str())),
         (None, BackendKind::Openai) => {
             if lazy_body_info.is_none() {
                 *lazy_body_info = Some(inspect_body(&ctx.body).unwrap_or(BodyInfo {
@@ -1635,16 +1641,17 @@ fn build_upstream_request(
                     limits: [None; 4],
                 }));
             }
-            lazy_body_info.as_ref()
+            let info = lazy_body_info.as_ref();
+            (info, info.and_then(|i| i.model.as_deref()))
         }
-        (None, _) => None,
+        (None, _) => (None, None),
     };
     let target = upstream_target(
         &RequestParts {
             shape: req.shape,
             operation: req.operation,
             query: req.query,
-            body_model: info.and_then(|i| i.model.as_deref()),
+            body_model,
             body_is_object: info.is_some_and(|i| i.is_object),
         },
         backend.cfg.kind,
@@ -1845,7 +1852,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 Counter::clone,
             );
             let app_end = Arc::clone(app);
-            let on_usage: crate::priority::OnUsage = Box::new(move |used| {
+            let on_usage = move |used: Option<u64>| {
                 if let Some(r) = reservation {
                     r.settle(used, app_end.clock.now_ms());
                 }
@@ -1853,7 +1860,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                     tokens.inc_by(u);
                 }
                 duration.observe(started.elapsed().as_secs_f64());
-            });
+            };
             // The layers nest directly, boxed once at the top: each `Body::new` between
             // them added a dynamic call and an error conversion to every poll of a chunk.
             let body = crate::coalesce::Coalesce::new(crate::priority::UsageTap::new(

@@ -74,7 +74,9 @@ fn sane_request_id(v: &http::HeaderValue) -> bool {
 }
 
 /// A new request id: 16 random hex digits, written without a formatter (every request
-/// without an id of its own takes one). Always a valid header value.
+/// without an id of its own takes one). Always a valid header value. Its bytes are
+/// owned by one shared allocation, so the clones the request and its response take
+/// allocate nothing more.
 fn new_request_id() -> http::HeaderValue {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let id = fastrand::u64(..);
@@ -86,7 +88,8 @@ fn new_request_id() -> http::HeaderValue {
     }
     // Hex digits are visible ASCII, which a header value always accepts: the decimal
     // form (infallible) only makes the function total.
-    http::HeaderValue::from_bytes(&digits).unwrap_or_else(|_| http::HeaderValue::from(id))
+    http::HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(digits))
+        .unwrap_or_else(|_| http::HeaderValue::from(id))
 }
 
 /// Gives every request an id (the client's `x-request-id` when present and sane, else a
