@@ -94,6 +94,10 @@ rss_of() { # pids
     local p
     for p in $1; do awk '/VmHWM/ {print $2}' "/proc/$p/status"; done | awk '{kb += $1} END {print kb/1024}'
 }
+# The values of `keys` in the JSON object on stdin (a line of bench/streams.py), space-separated.
+json_fields() { # keys...
+    python3 -c 'import json, sys; r = json.load(sys.stdin); print(*(r[k] for k in sys.argv[1:]))' "$@"
+}
 pid_on() { ss -ltnp "sport = :$1" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2; }
 
 # measure <url> <body> <connections> [pin] -> "rps p50 p99 p999 errors requests"
@@ -144,10 +148,9 @@ alternate() { # nginx_port nginx_pids spillgate_port spillgate_pids
                     exit 1
                 fi
                 check_errors "$err" "$target passes $body"
-                # Microseconds a request: user+sys, user, sys.
+                # Microseconds a request (n > 0, checked above): user+sys, user, sys.
                 read -r cpu user sys <<<"$(echo "$before $after" | awk -v n="$n" '{
-                    if (n > 0) printf "%.2f %.2f %.2f", ($3+$4-$1-$2)*1e6/n, ($3-$1)*1e6/n, ($4-$2)*1e6/n
-                    else print "0 0 0" }')"
+                    printf "%.2f %.2f %.2f", ($3+$4-$1-$2)*1e6/n, ($3-$1)*1e6/n, ($4-$2)*1e6/n }')"
                 M[$target]="$rps $cpu $user $sys"
             done
             read -r nr nc nu nsys <<<"${M[nginx]}"; read -r sr sc su ssys <<<"${M[spillgate]}"
@@ -268,7 +271,7 @@ for r in $(seq 1 "$TTFB_PASSES"); do
             direct) port=$mport ;; nginx) port=$nport ;; spillgate) port=$sport ;;
         esac
         res=$(python3 bench/streams.py "$TTFB_CLIENT" "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N")
-        read -r n complete p50 p99 <<<"$(echo "$res" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["n"], r["complete"], r["p50_ms"], r["p99_ms"])')"
+        read -r n complete p50 p99 <<<"$(json_fields n complete p50_ms p99_ms <<<"$res")"
         if [[ $complete -le 0 ]]; then
             echo "overhead.sh: no stream through $target completed" >&2
             exit 1
@@ -294,7 +297,7 @@ if [[ -n ${SMOKE:-} ]]; then
     for client in ttfb-blocking ttfb-kept; do
         [[ $client == "$TTFB_CLIENT" ]] && continue
         res=$(python3 bench/streams.py "$client" "http://127.0.0.1:$sport/v1/chat/completions" 3)
-        complete=$(echo "$res" | python3 -c 'import json,sys; print(json.load(sys.stdin)["complete"])')
+        complete=$(json_fields complete <<<"$res")
         check_errors "$((3 - complete))" "$client first-event streams"
     done
 fi
@@ -317,7 +320,7 @@ for target in nginx spillgate; do
     res=$(python3 bench/streams.py concurrent "http://127.0.0.1:$port/v1/chat/completions" "$STREAMS")
     after=$(cpu_total "$pids")
     rss=$(rss_of "$pids")
-    read -r streams peak complete incomplete cerr secs <<<"$(echo "$res" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["streams"], r["peak_open"], r["complete"], r["incomplete"], r["connect_errors"], r["seconds"])')"
+    read -r streams peak complete incomplete cerr secs <<<"$(json_fields streams peak_open complete incomplete connect_errors seconds <<<"$res")"
     echo "| $target | $streams | $peak | $complete | $((incomplete + cerr)) | $secs | $(printf "%.1f" "$rss") | $(awk -v a="$before" -v b="$after" 'BEGIN{printf "%.2f", b-a}') |"
     check_errors "$((streams - complete))" "$target concurrent streams"
 done

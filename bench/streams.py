@@ -9,8 +9,8 @@
 
 Each stream is one POST, read to the end; `Connection: close` except in ttfb-kept. A
 stream counts as complete when its status is 200 and its body ends with `data: [DONE]`
-(ttfb-kept: the chunked body's last chunk follows it). The blocking modes take the event
-loop out of what is timed. Output is one line of JSON.
+(and the chunked body's last chunk, when chunked). The blocking modes take the event loop
+out of what is timed. Output is one line of JSON.
 """
 
 import asyncio
@@ -39,6 +39,17 @@ def request_bytes(url, connection="close"):
         f"Content-Length: {len(BODY)}\r\nConnection: {connection}\r\n\r\n"
     ).encode()
     return u.hostname, u.port, head + BODY
+
+
+# The last chunk of a chunked body, after the CRLF that ends the chunk before it.
+CHUNKED_END = b"\r\n0\r\n\r\n"
+
+
+def completed(data):
+    """Whether a response read to its end is a whole stream: status 200, and `data:
+    [DONE]` in its body's last bytes (before the chunked body's end, if chunked)."""
+    body = data.split(b"\r\n\r\n", 1)[-1]
+    return data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in body[-64:]
 
 
 def percentiles(times_ms, n, complete):
@@ -83,8 +94,7 @@ async def one_stream(url, state, timeout):
                 ttfb = time.monotonic() - start
         if opened:
             state["open"] -= 1
-        body = data.split(b"\r\n\r\n", 1)[-1]
-        if data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in body[-64:]:
+        if completed(data):
             state["complete"] += 1
         else:
             state["incomplete"] += 1
@@ -132,14 +142,13 @@ def blocking_stream(sock, req, kept):
         if not chunk:
             break
         data += chunk
-        head_end = data.find(b"\r\n\r\n")
-        if ttfb is None and head_end >= 0 and b"data:" in data[head_end:]:
-            ttfb = time.monotonic() - start
-        if kept and head_end >= 0 and data.endswith(b"\r\n0\r\n\r\n"):
+        if ttfb is None:
+            head_end = data.find(b"\r\n\r\n")
+            if head_end >= 0 and b"data:" in data[head_end:]:
+                ttfb = time.monotonic() - start
+        if kept and data.endswith(CHUNKED_END):
             break
-    body = data.split(b"\r\n\r\n", 1)[-1]
-    tail = body[:-7] if kept else body
-    return ttfb, data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in tail[-64:]
+    return ttfb, completed(data)
 
 
 def ttfb_blocking(url, n, kept):

@@ -432,15 +432,11 @@ fn keep_json(json: &mut Option<Joined>, data: &Bytes) {
     }
 }
 
-/// Called once with the usage total a response reported (or `None`). The tap takes any
-/// such function, held inline (the gateway's is a closure: no allocation of its own).
-pub type OnUsage = Box<dyn FnOnce(Option<u64>) + Send>;
-
 /// Passes a response body through while reading its `usage`. For SSE it reads event by
 /// event (`\n\n`-separated). Without `strip_usage_chunk` every chunk goes on as it came
 /// (only the unfinished tail of an event is kept aside, to read); with it, complete events
 /// are passed on and the usage-only chunk the gateway asked for is dropped.
-pub struct UsageTap<B, F: FnOnce(Option<u64>) = OnUsage> {
+pub struct UsageTap<B, F: FnOnce(Option<u64>)> {
     inner: B,
     sse: bool,
     /// Keep a copy of a JSON body to read its `usage` at the end.
@@ -452,6 +448,8 @@ pub struct UsageTap<B, F: FnOnce(Option<u64>) = OnUsage> {
     /// (a copy with a gap could be misread).
     json: Option<Joined>,
     usage: Option<u64>,
+    /// Called once with the usage total the response reported (or `None`); held inline,
+    /// so the gateway's closure costs no allocation of its own.
     on_usage: Option<F>,
 }
 
@@ -1030,13 +1028,9 @@ mod tests {
         let stream = futures_util::stream::iter(frames);
         let seen = Arc::new(Mutex::new(None));
         let seen2 = Arc::clone(&seen);
-        let tap = UsageTap::new(
-            StreamBody::new(stream),
-            sse,
-            !sse,
-            strip,
-            Box::new(move |u| *seen2.lock().unwrap() = Some(u)),
-        );
+        let tap = UsageTap::new(StreamBody::new(stream), sse, !sse, strip, move |u| {
+            *seen2.lock().unwrap() = Some(u)
+        });
         let out = tap.collect().await.unwrap().to_bytes();
         let usage = seen.lock().unwrap().take().flatten();
         (String::from_utf8(out.to_vec()).unwrap(), usage)
@@ -1092,13 +1086,7 @@ mod tests {
         let stream = futures_util::stream::iter(parts.map(|c| {
             Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(c.as_bytes())))
         }));
-        let mut tap = UsageTap::new(
-            StreamBody::new(stream),
-            true,
-            false,
-            false,
-            Box::new(|_| {}),
-        );
+        let mut tap = UsageTap::new(StreamBody::new(stream), true, false, false, |_| {});
         for part in parts {
             let frame = tap.frame().await.unwrap().unwrap();
             assert_eq!(frame.into_data().unwrap(), part.as_bytes());
@@ -1127,7 +1115,7 @@ mod tests {
             true,
             false,
             true,
-            Box::new(|_| {}),
+            |_| {},
         );
         let chunk = Bytes::from_static(b"data: {\"a\":1}\n\ndata: {\"a\":2}\n\ndata: {\"us");
         let out = tap.pass_events(chunk.clone());
@@ -1155,13 +1143,9 @@ mod tests {
         )]);
         let seen = Arc::new(Mutex::new(None));
         let seen2 = Arc::clone(&seen);
-        let mut tap = UsageTap::new(
-            StreamBody::new(stream),
-            false,
-            true,
-            false,
-            Box::new(move |u| *seen2.lock().unwrap() = Some(u)),
-        );
+        let mut tap = UsageTap::new(StreamBody::new(stream), false, true, false, move |u| {
+            *seen2.lock().unwrap() = Some(u)
+        });
         let frame = tap.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), body.as_bytes());
         drop(tap);
