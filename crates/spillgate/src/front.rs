@@ -554,17 +554,20 @@ where
     let no_body = *method == Method::HEAD
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    // The handler's own length, else its body's exact size.
-    let known = h1::content_length(&parts.headers)
-        .ok()
-        .flatten()
-        .or(body.size_hint().exact());
+    // The body's exact size (what it will give, whatever the headers say), else the
+    // handler's own length. For HEAD, the handler's length first: the length a GET would
+    // get, where the body has none.
+    let exact = body.size_hint().exact();
+    let known = match exact {
+        Some(n) if *method != Method::HEAD => Some(n),
+        _ => h1::content_length(&parts.headers).ok().flatten().or(exact),
+    };
     let unread = {
         let input = lock(shared);
         input.body != Framing::Done || !input.intact
     };
-    let mut reusable =
-        keep_alive && !unread && !informational && !h1::connection_has(&parts.headers, "close");
+    // Also not when the handler's own `Connection` says `close` (seen by `encode_head`).
+    let mut reusable = keep_alive && !unread && !informational;
     let mut framing = if no_body {
         Framing::Done
     } else if let Some(n) = known {
@@ -577,11 +580,6 @@ where
         Framing::Close
     };
     let mut head = Vec::with_capacity(256);
-    let connection: &[u8] = match (reusable, version) {
-        (false, _) => b"close",
-        (true, Version::HTTP_10) => b"keep-alive",
-        (true, _) => b"",
-    };
     // A response to HEAD gives the length a GET would get.
     let length = match framing {
         Framing::Length(n) => Some(n),
@@ -589,7 +587,7 @@ where
         _ => None,
     };
     let chunked = matches!(framing, Framing::Chunked(_));
-    encode_head(&mut head, &parts, length, chunked, connection);
+    encode_head(&mut head, &parts, length, chunked, (&mut reusable, version));
     drop(parts);
     if framing == Framing::Done {
         write_all(out, &mut [IoSlice::new(&head)]).await?;
@@ -701,13 +699,15 @@ fn chunk_line(buf: &mut [u8; 20], n: usize) -> &[u8] {
 }
 
 /// The status line and headers. The framing headers are the connection's own
-/// (`content-length: length`, or chunked): any the response had are left out.
+/// (`content-length: length`, or chunked, and `Connection`): any the response had are
+/// left out, but a `Connection: close` among them makes the connection not `reusable`.
+/// The `Connection` header written says whether it is, as `version` needs it said.
 fn encode_head(
     out: &mut Vec<u8>,
     parts: &http::response::Parts,
     length: Option<u64>,
     chunked: bool,
-    connection: &[u8],
+    (reusable, version): (&mut bool, Version),
 ) {
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(parts.status.as_str().as_bytes());
@@ -721,10 +721,9 @@ fn encode_head(
     );
     out.extend_from_slice(b"\r\n");
     for (name, value) in &parts.headers {
-        let framing_header = *name == header::TRANSFER_ENCODING
-            || *name == header::CONNECTION
-            || *name == header::CONTENT_LENGTH;
-        if !framing_header {
+        if *name == header::CONNECTION {
+            *reusable &= !h1::has_token(value, "close");
+        } else if *name != header::TRANSFER_ENCODING && *name != header::CONTENT_LENGTH {
             h1::header_line(out, name, value);
         }
     }
@@ -739,6 +738,11 @@ fn encode_head(
     if chunked {
         out.extend_from_slice(b"transfer-encoding: chunked\r\n");
     }
+    let connection: &[u8] = match (*reusable, version) {
+        (false, _) => b"close",
+        (true, Version::HTTP_10) => b"keep-alive",
+        (true, _) => b"",
+    };
     if !connection.is_empty() {
         out.extend_from_slice(b"connection: ");
         out.extend_from_slice(connection);
@@ -878,6 +882,21 @@ mod tests {
                 http::Response::new(StreamBody::new(chunks).boxed())
             }
             "/big" => http::Response::new(full(vec![b'x'; BIG])),
+            "/framed" => {
+                // Framing headers of its own: a wrong length, and a close.
+                let mut r = http::Response::new(full("framed"));
+                let h = r.headers_mut();
+                h.insert(header::CONTENT_LENGTH, http::HeaderValue::from_static("99"));
+                h.insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+                r
+            }
+            "/sized" => {
+                // What a GET would get, answered to HEAD without a body.
+                let mut r = http::Response::new(full(""));
+                let h = r.headers_mut();
+                h.insert(header::CONTENT_LENGTH, http::HeaderValue::from_static("42"));
+                r
+            }
             "/stream" => {
                 let chunks = futures_util::stream::iter([
                     Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"data: 1\n\n"))),
@@ -993,6 +1012,17 @@ mod tests {
         (head, String::from_utf8(body).unwrap())
     }
 
+    /// The head of a response without a body (to HEAD) read off `sock`, as text.
+    async fn head_only(sock: &mut TcpStream, buf: &mut Vec<u8>) -> String {
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            assert!(read_more(sock, buf).await > 0, "closed before a whole head");
+        };
+        String::from_utf8(buf.drain(..head_end).collect()).unwrap()
+    }
+
     /// Reads what comes next onto `buf` (0: closed); a test fails rather than waits forever.
     async fn read_more(sock: &mut TcpStream, buf: &mut Vec<u8>) -> usize {
         let mut more = [0u8; 4096];
@@ -1077,13 +1107,7 @@ mod tests {
         .await
         .unwrap();
         // HEAD: the head only (its length says what a GET would get).
-        let head_end = loop {
-            assert!(read_more(&mut sock, &mut buf).await > 0);
-            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-        };
-        let head = String::from_utf8(buf.drain(..head_end).collect()).unwrap();
+        let head = head_only(&mut sock, &mut buf).await;
         assert!(head.contains("content-length: 5\r\n"), "{head}");
         let (head, body) = response(&mut sock, &mut buf).await;
         assert!(head.starts_with("HTTP/1.1 204"), "{head}");
@@ -1093,6 +1117,32 @@ mod tests {
         );
         assert_eq!(body, "");
         // The bytes after each head are the next response's.
+        assert_eq!(response(&mut sock, &mut buf).await.1, "early");
+    }
+
+    #[tokio::test]
+    async fn the_body_sets_the_length_and_a_handler_may_close_the_connection() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        // The handler's `Content-Length: 99` is not what its body holds: the body's own
+        // size is sent. Its `Connection: close` closes the connection after the answer.
+        let mut sock = connect(addr, b"GET /framed HTTP/1.1\r\n\r\n").await;
+        let (head, body) = response(&mut sock, &mut Vec::new()).await;
+        assert!(head.contains("content-length: 6\r\n"), "{head}");
+        assert!(!head.contains("99"), "{head}");
+        assert_eq!(head.matches("connection").count(), 1, "{head}");
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert_eq!(body, "framed");
+        assert!(closed(&mut sock).await);
+        // To HEAD, the handler's length is the one a GET would get.
+        let mut sock = connect(
+            addr,
+            b"HEAD /sized HTTP/1.1\r\n\r\nGET /early HTTP/1.1\r\n\r\n",
+        )
+        .await;
+        let mut buf = Vec::new();
+        let head = head_only(&mut sock, &mut buf).await;
+        assert!(head.contains("content-length: 42\r\n"), "{head}");
+        assert!(!head.contains("connection"), "{head}");
         assert_eq!(response(&mut sock, &mut buf).await.1, "early");
     }
 

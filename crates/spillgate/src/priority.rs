@@ -266,7 +266,7 @@ fn splice_include_usage(body: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-#[derive(Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 struct Usage {
     total_tokens: Option<u64>,
     prompt_tokens: Option<u64>,
@@ -276,11 +276,22 @@ struct Usage {
 }
 
 impl Usage {
+    /// From its counts in the order of [`USAGE_COUNTS`].
+    fn from_counts([total, prompt, completion, input, output]: [Option<u64>; 5]) -> Usage {
+        Usage {
+            total_tokens: total,
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            input_tokens: input,
+            output_tokens: output,
+        }
+    }
+
     fn total(&self) -> Option<u64> {
         self.total_tokens.or_else(|| {
             let a = self.prompt_tokens.or(self.input_tokens)?;
             let b = self.completion_tokens.or(self.output_tokens).unwrap_or(0);
-            Some(a + b)
+            Some(a.saturating_add(b))
         })
     }
 }
@@ -290,6 +301,85 @@ impl Usage {
 /// end, else by [`top_level_members`] from the start (this runs on every response).
 pub fn usage_total(json: &[u8]) -> Option<u64> {
     let value = sole_top_level_usage(json).or_else(|| top_level_members(json, [b"usage"])[0])?;
+    match plain_usage(value) {
+        Plain::Read(usage) => usage.total(),
+        Plain::Unsure => parsed_usage(value)?.total(),
+    }
+}
+
+/// What [`plain_usage`] made of a `usage` value.
+enum Plain {
+    /// Read, as the parser would read it.
+    Read(Usage),
+    /// Not the plain shape it reads: left to the parser.
+    Unsure,
+}
+
+/// The names of [`Usage`]'s members, in the order of [`Usage::from_counts`].
+const USAGE_COUNTS: [&[u8]; 5] = [
+    b"total_tokens",
+    b"prompt_tokens",
+    b"completion_tokens",
+    b"input_tokens",
+    b"output_tokens",
+];
+
+/// Reads a `usage` value (and what follows it in the document, which is not looked at)
+/// of the shape backends send: an object whose counts are plain integers or `null`, its
+/// other members (`prompt_tokens_details`...) skipped over unread. Anything else (a key
+/// with escapes, a count written `1.0`, a repeated count) is `Unsure`, for the parser
+/// to settle: a parse of the usage object cost several times this scan.
+fn plain_usage(value: &[u8]) -> Plain {
+    if value.trim_ascii_start().first() != Some(&b'{') {
+        return Plain::Unsure;
+    }
+    let mut counts: [Option<Option<u64>>; 5] = [None; 5];
+    let mut sure = true;
+    let scanned = scan_members(value, |key, rest| {
+        // Folded over the bytes without a branch (vectorized): a short key costs less
+        // than a call to `memchr`, which `contains` makes.
+        if key.iter().fold(false, |seen, &b| seen | (b == b'\\')) {
+            sure = false;
+        } else if let Some(i) = USAGE_COUNTS.iter().position(|n| *n == key) {
+            match (counts[i], plain_count(rest)) {
+                (None, Some(n)) => counts[i] = Some(n),
+                _ => sure = false,
+            }
+        }
+        sure
+    });
+    match (scanned, sure) {
+        (Some(()), true) => Plain::Read(Usage::from_counts(counts.map(Option::flatten))),
+        _ => Plain::Unsure,
+    }
+}
+
+/// A count's value: `Some(None)` for `null`, `Some(Some(n))` for a plain integer (digits,
+/// no leading zero, no fraction or exponent, within `u64`); `None` for anything else.
+fn plain_count(rest: &[u8]) -> Option<Option<u64>> {
+    let rest = rest.trim_ascii_start();
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    let (n, after) = match digits {
+        0 => (None, rest.strip_prefix(b"null")?),
+        // A leading zero: not JSON.
+        2.. if rest[0] == b'0' => return None,
+        _ => {
+            let n = rest[..digits].iter().try_fold(0u64, |n, &b| {
+                n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+            })?;
+            (Some(n), &rest[digits..])
+        }
+    };
+    matches!(
+        after.first(),
+        Some(b',' | b'}' | b' ' | b'\t' | b'\n' | b'\r')
+    )
+    .then_some(n)
+}
+
+/// A `usage` value read by the JSON parser: `None` when it is `null` or does not parse
+/// as one.
+fn parsed_usage(value: &[u8]) -> Option<Usage> {
     // A short rest (usage last, as models put it) is read as text when it is UTF-8:
     // checked once, the parser then skips the check of each key. A long one is not
     // checked whole for the few bytes the parser reads.
@@ -300,7 +390,7 @@ pub fn usage_total(json: &[u8]) -> Option<u64> {
         Some(text) => Option::<Usage>::deserialize(&mut serde_json::Deserializer::from_str(text)),
         None => Option::<Usage>::deserialize(&mut serde_json::Deserializer::from_slice(value)),
     };
-    usage.ok()??.total()
+    usage.ok()?
 }
 
 /// When the first `"usage"` in `json` is a key of the top-level object: the bytes from
@@ -379,8 +469,9 @@ fn top_level_members<'a, const N: usize>(
     found
 }
 
-/// Calls `member(key, rest)` for each top-level member of `json` (`rest` starts at its
-/// value) while it returns true.
+/// Calls `member(key, rest)` for each member of the object `json` starts with (`rest`
+/// starts at the member's value) while it returns true. `Some` when it was stopped or the
+/// object ended; `None` when `json` ended first or is not an object.
 fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> bool) -> Option<()> {
     let mut depth = 0usize;
     let mut i = 0;
@@ -407,12 +498,17 @@ fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> b
                 continue;
             }
             b'{' | b'[' => depth += 1,
-            b'}' | b']' => depth = depth.checked_sub(1)?,
+            b'}' | b']' => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return Some(());
+                }
+            }
             _ => {}
         }
         i += 1;
     }
-    Some(())
+    None
 }
 
 /// Largest non-streamed response body kept aside to read its `usage`.
@@ -778,6 +874,64 @@ mod tests {
         assert_eq!(usage_total(nested_after), Some(1));
     }
 
+    #[test]
+    fn plain_usage_reads_what_backends_send_and_leaves_the_rest_to_the_parser() {
+        let read = |json: &str| match plain_usage(json.as_bytes()) {
+            Plain::Read(u) => Some(u.total()),
+            Plain::Unsure => None,
+        };
+        // Azure's and OpenAI's shapes, details skipped; `null` counts; what follows the
+        // object is not looked at.
+        let azure = r#"{"completion_tokens":10,"completion_tokens_details":{"accepted_prediction_tokens":0,"audio_tokens":0,"reasoning_tokens":0,"rejected_prediction_tokens":0},"prompt_tokens":19,"prompt_tokens_details":{"audio_tokens":0,"cached_tokens":0},"total_tokens":29}}"#;
+        assert_eq!(read(azure), Some(Some(29)));
+        assert_eq!(
+            read(" {\n \"prompt_tokens\" : 4 ,\"completion_tokens\":null}\n,\"x\":[}"),
+            Some(Some(4))
+        );
+        assert_eq!(
+            read(r#"{"input_tokens":5,"output_tokens":2}"#),
+            Some(Some(7))
+        );
+        assert_eq!(read(r#"{"total_tokens":null}"#), Some(None));
+        assert_eq!(
+            read(r#"{"note":"a \"total_tokens\": 9","total_tokens":3}"#),
+            Some(Some(3))
+        );
+        // Left to the parser.
+        for unsure in [
+            r#"{"total_tokens":1.0}"#,
+            r#"{"total_tokens":1e3}"#,
+            r#"{"total_tokens":-1}"#,
+            r#"{"total_tokens":01}"#,
+            r#"{"total_tokens":"5"}"#,
+            r#"{"total_tokens":18446744073709551616}"#,
+            r#"{"total_tokens":1,"total_tokens":2}"#,
+            r#"{"total_\u0074okens":1}"#,
+            r#"{"total_tokens":nul}"#,
+            r#"{"total_tokens":1"#,
+            r#"[1,2,3,4,5]"#,
+            "null",
+        ] {
+            assert_eq!(read(unsure), None, "{unsure}");
+        }
+        // And the parser reads them as it always did.
+        assert_eq!(
+            usage_total(br#"{"usage":{"total_tokens":1,"total_tokens":2}}"#),
+            None
+        );
+        assert_eq!(
+            usage_total(br#"{"usage":{"total_\u0074okens":7}}"#),
+            Some(7)
+        );
+        assert_eq!(usage_total(br#"{"usage":{"total_tokens":1.0}}"#), None);
+        assert_eq!(usage_total(br#"{"usage":null}"#), None);
+        let huge = format!(
+            r#"{{"usage":{{"prompt_tokens":{},"completion_tokens":2}}}}"#,
+            u64::MAX
+        );
+        assert_eq!(usage_total(huge.as_bytes()), Some(u64::MAX));
+    }
+
     fn json_value() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
         use proptest::prelude::*;
         let key = prop_oneof![
@@ -927,6 +1081,28 @@ mod tests {
             }
             let json = if pretty { serde_json::to_vec_pretty(&v) } else { serde_json::to_vec(&v) }.unwrap();
             proptest::prop_assert_eq!(usage_total(&json), usage_by_full_parse(&json));
+        }
+
+        /// Whatever a `usage` value holds, the scan reads it as the parser does or leaves
+        /// it to the parser.
+        #[test]
+        fn plain_usage_never_disagrees_with_the_parser(
+            v in json_value(),
+            counts in proptest::collection::vec((0usize..5, proptest::option::of(0u64..u64::MAX)), 0..4),
+            pretty in proptest::bool::ANY,
+        ) {
+            let mut v = v;
+            if let Some(obj) = v.as_object_mut() {
+                for (i, n) in counts {
+                    let name = std::str::from_utf8(USAGE_COUNTS[i]).unwrap();
+                    obj.insert(name.into(), n.into());
+                }
+            }
+            let json = if pretty { serde_json::to_vec_pretty(&v) } else { serde_json::to_vec(&v) }.unwrap();
+            if let Plain::Read(usage) = plain_usage(&json) {
+                let parsed = serde_json::from_value::<Option<Usage>>(v).ok().flatten();
+                proptest::prop_assert_eq!(Some(usage), parsed);
+            }
         }
     }
 

@@ -238,10 +238,7 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
     let client = match (&route, snap.client_keys.authenticate(&parts.headers)) {
         (ApiRoute::NotFound, _) => Client::Anonymous,
         (_, Some(c)) => c,
-        (_, None) => {
-            return reject_unread(rejected(GatewayError::unauthorized()), &parts.headers, body)
-                .await
-        }
+        (_, None) => return reject_unread(rejected(GatewayError::unauthorized()), body).await,
     };
     let (shape, deployment, operation) = match route {
         ApiRoute::NotFound => {
@@ -249,12 +246,12 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
                 "Unknown path `{}`.",
                 truncate(path)
             )));
-            return reject_unread(resp, &parts.headers, body).await;
+            return reject_unread(resp, body).await;
         }
         ApiRoute::ListModels => return list_models(&snap),
         ApiRoute::Invalid(why) => {
             let resp = rejected(GatewayError::bad_request("invalid_path", why));
-            return reject_unread(resp, &parts.headers, body).await;
+            return reject_unread(resp, body).await;
         }
         ApiRoute::Operation {
             shape,
@@ -264,7 +261,6 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
     };
 
     let body = match read_body(
-        &parts.headers,
         body,
         snap.config.server.max_body_bytes,
         snap.config.timeouts.client_body,
@@ -437,8 +433,8 @@ const DRAIN_LIMIT: usize = 64 * 1024;
 /// the connection while the client was still sending, the kernel would reset it and the
 /// client could lose the answer; so a small body is read and dropped first (bounded in
 /// size and time), and a large one gets `Connection: close` instead.
-async fn reject_unread(mut resp: Response, headers: &HeaderMap, body: Body) -> Response {
-    if declared_len(headers).is_some_and(|n| n > DRAIN_LIMIT as u64) {
+async fn reject_unread(mut resp: Response, body: Body) -> Response {
+    if declared_len(&body) > DRAIN_LIMIT as u64 {
         resp.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return resp;
@@ -455,20 +451,16 @@ async fn reject_unread(mut resp: Response, headers: &HeaderMap, body: Body) -> R
     resp
 }
 
-/// The body length a request declares in `Content-Length` (read as the connection read
-/// it, which has refused conflicting values already).
-fn declared_len(headers: &HeaderMap) -> Option<u64> {
-    h1::content_length(headers).ok().flatten()
+/// The least a request body can hold: the length its `Content-Length` declared (read by
+/// the connection, which refused conflicting values), 0 when chunked. Its size hint: the
+/// headers were read for it once already.
+fn declared_len(body: &Body) -> u64 {
+    http_body::Body::size_hint(body).lower()
 }
 
 /// Reads the whole request body, refusing it with 413 before any upstream call when it is
 /// larger than the limit.
-async fn read_body(
-    headers: &HeaderMap,
-    body: Body,
-    max: usize,
-    timeout: Duration,
-) -> Result<Bytes, GatewayError> {
+async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Bytes, GatewayError> {
     let too_large = || {
         GatewayError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -477,7 +469,7 @@ async fn read_body(
             format!("The request body is larger than this gateway's limit of {max} bytes (server.max_body_bytes)."),
         )
     };
-    if declared_len(headers).is_some_and(|n| n > max as u64) {
+    if declared_len(&body) > max as u64 {
         return Err(too_large());
     }
     // A client that declares a body and then trickles it (or stops) must not hold a
@@ -1163,9 +1155,10 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             },
         };
         if attempts == 0 {
-            // The budget counts requests that reach a backend.
+            // The budget counts requests that reach a backend. The first attempt is
+            // never a wait: the time read when this turn of the loop began is now.
             if let Ok(mut b) = snap.routes[ctx.route_id].budget.lock() {
-                b.deposit(app.clock.now_ms());
+                b.deposit(now);
             }
         }
         attempts += 1;
@@ -1768,7 +1761,8 @@ fn record_attempt(ctx: &Ctx<'_>, id: usize, attempt: AttemptResult) {
 }
 
 fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Response {
-    let elapsed_ms = ctx.started.elapsed().as_secs_f64() * 1000.0;
+    let elapsed = ctx.started.elapsed();
+    let elapsed_ms = elapsed.as_secs_f64() * 1000.0;
     let snap = ctx.snap;
     let req = ctx.req;
     let route = &snap.config.table.routes[ctx.route_id];
@@ -1827,7 +1821,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             handles.ttfb.with(
                 u64::from(ctx.low),
                 || by_priority(&app.metrics.ttfb),
-                |h| h.observe(ctx.started.elapsed().as_secs_f64()),
+                |h| h.observe(elapsed.as_secs_f64()),
             );
             let duration = handles.duration.with(
                 u64::from(ctx.low),
@@ -1853,13 +1847,15 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             );
             let app_end = Arc::clone(app);
             let on_usage = move |used: Option<u64>| {
+                // One reading of the clock for both.
+                let end = tokio::time::Instant::now();
                 if let Some(r) = reservation {
-                    r.settle(used, app_end.clock.now_ms());
+                    r.settle(used, app_end.clock.ms_at(end));
                 }
                 if let Some(u) = used {
                     tokens.inc_by(u);
                 }
-                duration.observe(started.elapsed().as_secs_f64());
+                duration.observe(end.saturating_duration_since(started).as_secs_f64());
             };
             // The layers nest directly, boxed once at the top: each `Body::new` between
             // them added a dynamic call and an error conversion to every poll of a chunk.

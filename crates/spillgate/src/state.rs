@@ -60,9 +60,15 @@ impl Clock {
     }
 
     pub fn now_ms(&self) -> u64 {
+        self.ms_at(tokio::time::Instant::now())
+    }
+
+    /// `now_ms` as it was (or will be) at `at`, for a caller that read the clock already.
+    pub fn ms_at(&self, at: tokio::time::Instant) -> u64 {
+        let elapsed = at.saturating_duration_since(self.base_instant);
         self.base_unix_ms
             .load(Ordering::Relaxed)
-            .saturating_add(self.elapsed_ms())
+            .saturating_add(spillgate_core::outcome::millis(elapsed))
     }
 
     /// The tokio instant at which unix time `ms` is reached.
@@ -612,8 +618,12 @@ mod tests {
     async fn clock_follows_paused_tokio_time() {
         let c = Clock::new();
         let t0 = c.now_ms();
+        let at = tokio::time::Instant::now();
         tokio::time::sleep(Duration::from_secs(20)).await;
         assert_eq!(c.now_ms() - t0, 20_000);
+        // A reading taken before is that time's.
+        assert_eq!(c.ms_at(at), t0);
+        assert_eq!(c.ms_at(at + Duration::from_millis(1_500)), t0 + 1_500);
         assert_eq!(
             c.instant_at(t0 + 5_000),
             c.base_instant + Duration::from_millis(5_000)
