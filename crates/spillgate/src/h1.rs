@@ -849,6 +849,7 @@ pub(crate) enum Step {
 
 /// Up to `left` bytes of data off the front of `buf` (counted off `left`); `NeedMore`
 /// when `buf` is empty or `data` is false.
+#[inline]
 fn take_data(left: &mut u64, buf: &mut BytesMut, data: bool) -> Step {
     if buf.is_empty() || !data {
         return Step::NeedMore;
@@ -870,7 +871,23 @@ fn take_front(buf: &mut BytesMut, n: usize) -> Bytes {
 }
 
 /// Decodes `buf` up to the next data (taken off it, unless `data` is false) or the end.
+/// Data taken, it also moves past the framing after it that `buf` holds already (a
+/// chunk's CRLF, the next chunk's size line, the last chunk and trailers), so that a body
+/// whose end has arrived ends with its last data: one call per chunk of a stream, where a
+/// second call to settle the framing cost as much again. An error in that framing is
+/// left where it is, for the next call to find and report after the data.
 pub(crate) fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step, Error> {
+    let step = decode_step(framing, buf, data)?;
+    if let Step::Data(_) = step {
+        let _ = decode_step(framing, buf, false);
+    }
+    Ok(step)
+}
+
+/// One step of [`decode`]: up to the next data (taken off `buf` when `data` is true) or
+/// the end. On an error, `framing` and `buf` are as they were before the bytes in error.
+#[inline(always)]
+fn decode_step(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<Step, Error> {
     loop {
         match framing {
             Framing::Done => return Ok(Step::End),
@@ -937,13 +954,13 @@ pub(crate) fn decode(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> R
                         }
                         return Ok(Step::NeedMore);
                     };
-                    *read += eol + 1;
-                    if *read > MAX_TRAILERS {
+                    if *read + eol + 1 > MAX_TRAILERS {
                         return Err(Error::new("chunked trailers too long"));
                     }
                     if eol == 0 || buf[eol - 1] != b'\r' {
                         return Err(Error::new("trailer line not ended by CRLF"));
                     }
+                    *read += eol + 1;
                     // Trailers are not passed on; the empty line ends the body.
                     if eol == 1 {
                         *framing = Framing::Done;
@@ -1048,7 +1065,10 @@ impl<R: Release> http_body::Body for Body<R> {
             match decode(&mut this.framing, &mut conn.buf, true) {
                 Err(e) => return this.fail(e),
                 Ok(Step::Data(data)) => {
-                    this.settle();
+                    // `decode` went on to the end when it had arrived.
+                    if this.framing == Framing::Done {
+                        this.finish();
+                    }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 Ok(Step::End) => {
@@ -1731,9 +1751,17 @@ mod tests {
             let mut data = Vec::new();
             let mut fed = 0;
             let mut cut = cuts.iter().cycle();
+            let total: usize = chunks.iter().map(Vec::len).sum();
             loop {
                 match decode(&mut framing, &mut buf, true).unwrap() {
-                    Step::Data(d) => data.extend_from_slice(&d),
+                    Step::Data(d) => {
+                        data.extend_from_slice(&d);
+                        // The last data, with the end of the body already read: the
+                        // body ends with it.
+                        if data.len() == total && fed >= end {
+                            proptest::prop_assert_eq!(framing, Framing::Done);
+                        }
+                    }
                     Step::End => break,
                     Step::NeedMore => {
                         proptest::prop_assert!(fed < end, "wants more past the end");
@@ -1748,6 +1776,25 @@ mod tests {
             rest.extend_from_slice(&wire[fed..]);
             proptest::prop_assert_eq!(&rest[..], b"NEXT");
         }
+    }
+
+    #[test]
+    fn bad_framing_after_data_is_reported_after_the_data() {
+        let mut framing = Framing::Chunked(Chunk::Size);
+        let mut buf = BytesMut::from(&b"2\r\nok\r\nzz\r\n"[..]);
+        match decode(&mut framing, &mut buf, true) {
+            Ok(Step::Data(d)) => assert_eq!(&d[..], b"ok"),
+            _ => panic!("the data first"),
+        }
+        // Moved past the CRLF, stopped at the bad size line: found again now.
+        assert_eq!(framing, Framing::Chunked(Chunk::Size));
+        let e = decode(&mut framing, &mut buf, true).err().unwrap();
+        assert!(e.to_string().contains("invalid chunk size"), "{e}");
+        // A trailer line in error leaves the count of trailer bytes as it was.
+        let mut framing = Framing::Chunked(Chunk::Trailers(3));
+        let mut buf = BytesMut::from(&b"x: y\n"[..]);
+        assert!(decode(&mut framing, &mut buf, true).is_err());
+        assert_eq!(framing, Framing::Chunked(Chunk::Trailers(3)));
     }
 
     #[test]
