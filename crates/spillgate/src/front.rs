@@ -245,9 +245,13 @@ fn parse_head(
     let path = Part::of(buf, req.path.unwrap_or_default().as_bytes());
     let mut spans = h1::HeadSpans::new();
     spans.record(buf, req.headers);
-    let (head, headers) = spans.take(buf, len, 0).map_err(|why| {
-        GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
-    })?;
+    // Room for the headers the gateway adds on the way upstream: a map that had to grow
+    // for them would hash every header again.
+    let (head, headers) = spans
+        .take(buf, len, crate::proxy::ADDED_REQUEST_HEADERS)
+        .map_err(|why| {
+            GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
+        })?;
     let uri = Uri::from_maybe_shared(head.slice(path.range())).map_err(|_| {
         GatewayError::bad_request("invalid_request_head", "Invalid request target.")
     })?;

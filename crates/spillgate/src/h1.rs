@@ -369,6 +369,8 @@ fn full_bytes(mut body: Full<Bytes>) -> Bytes {
 
 /// The request line and headers. `Content-Length` is the body's (any the request had, and
 /// any `Transfer-Encoding`, are left out); a `GET` or `HEAD` without a body has none.
+/// `Host` is the connection's (`host`), whatever the request had; the request's only when
+/// the connection has none.
 fn encode_head(
     out: &mut Vec<u8>,
     req: &http::request::Parts,
@@ -388,12 +390,14 @@ fn encode_head(
         out.extend_from_slice(query.as_bytes());
     }
     out.extend_from_slice(b" HTTP/1.1\r\n");
-    let headers = &req.headers;
-    if let (Some(host), false) = (host, headers.contains_key(header::HOST)) {
+    if let Some(host) = host {
         header_line(out, &header::HOST, host);
     }
-    for (name, value) in headers {
-        if name != header::CONTENT_LENGTH && name != header::TRANSFER_ENCODING {
+    for (name, value) in &req.headers {
+        let own = name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || (name == header::HOST && host.is_some());
+        if !own {
             header_line(out, name, value);
         }
     }
@@ -1307,8 +1311,8 @@ mod tests {
         assert_eq!(resp.unwrap().status(), 204);
         assert_eq!(
             received(&mut server).await,
-            "GET /v1/models HTTP/1.1\r\nhost: kept.example\r\n\r\n",
-            "a Host the request has is kept; a GET with no body has no length; the client's length and coding are not passed on"
+            "GET /v1/models HTTP/1.1\r\nhost: backend.example:8080\r\n\r\n",
+            "the connection's Host, not the request's; a GET with no body has no length; the client's length and coding are not passed on"
         );
         let (conn, mut server) = pair();
         let req = http::Request::delete("http://b/v1/files/f")

@@ -52,6 +52,10 @@ pub const HEADER_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id"
 /// request id, backend, attempts and model. Response header maps are made with room for
 /// them (`h1` builds the backend's with it).
 pub(crate) const ADDED_RESPONSE_HEADERS: usize = 4;
+/// How many headers a request gets from the gateway on its way upstream: its request id
+/// and the backend's credential. Request header maps are made with room for them (`front`
+/// builds the client's with it).
+pub(crate) const ADDED_REQUEST_HEADERS: usize = 2;
 const HEADER_UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
 /// Connection-scoped headers (RFC 9110 §7.6.1) that a proxy must not forward.
@@ -73,26 +77,33 @@ fn is_hop_by_hop(name: &HeaderName, connection: &GetAll<'_, HeaderValue>) -> boo
     HOP_BY_HOP.contains(&n) || n == "upgrade" || connection.iter().any(|v| h1::has_token(v, n))
 }
 
-/// The client's headers as they go upstream: without hop-by-hop headers, the client's
-/// credentials, cookies, `Host` and framing headers (the client recomputes those).
-fn forward_headers(client: &HeaderMap) -> HeaderMap {
-    let connection = client.get_all(header::CONNECTION);
-    // Room for the request id and the credential each attempt adds (`Host` is the
-    // upstream connection's).
-    let mut out = HeaderMap::with_capacity(client.len() + 2);
-    for (name, value) in client {
-        let n = name.as_str();
-        if is_hop_by_hop(name, &connection)
-            || CLIENT_CREDENTIAL_HEADERS.contains(&n)
-            || matches!(n, "host" | "content-length" | "expect" | "cookie")
-            || CLIENT_ONLY_HEADERS.contains(&n)
-            || n.starts_with("x-forwarded-")
-        {
-            continue;
-        }
-        out.append(name.clone(), value.clone());
+/// Makes the client's headers the ones that go upstream, in place, once per request:
+/// without hop-by-hop headers, the client's credentials and cookies, and with the
+/// gateway's id for the request (the client's own when it sent a sane one), so that the
+/// two logs can be matched. `Host` and `Content-Length` stay: the upstream connection
+/// sends its own in their place (see `upstream::send_on`), and most requests have
+/// nothing else to take out. Each attempt sends a clone with its credential added: a
+/// clone hashes nothing again and copies no header's bytes, where building the map anew
+/// for each attempt hashed every name again. Removals move the last header into the gap:
+/// the order may change.
+fn forward_headers(headers: &mut HeaderMap, request_id: HeaderValue) {
+    let connection = headers.get_all(header::CONNECTION);
+    let unwanted: SmallVec<[HeaderName; 4]> = headers
+        .keys()
+        .filter(|name| {
+            let n = name.as_str();
+            is_hop_by_hop(name, &connection)
+                || CLIENT_CREDENTIAL_HEADERS.contains(&n)
+                || matches!(n, "expect" | "cookie")
+                || CLIENT_ONLY_HEADERS.contains(&n)
+                || n.starts_with("x-forwarded-")
+        })
+        .cloned()
+        .collect();
+    for name in &unwanted {
+        headers.remove(name);
     }
-    out
+    headers.insert(HEADER_REQUEST_ID, request_id);
 }
 
 /// Client headers that must not reach a backend: an OpenAI organization or project would
@@ -229,7 +240,7 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
 pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Response {
     let started = tokio::time::Instant::now();
     let snap = app.snapshot.load_full();
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let path = parts.uri.path();
     let route = classify_path(parts.method.as_str(), path);
 
@@ -356,12 +367,12 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
             None => crate::priority::cheap_estimate(&body, operation),
         },
     };
+    forward_headers(&mut parts.headers, request_id);
     let ctx = Ctx {
         app: &app,
         snap: &snap,
         method: &parts.method,
-        client_headers: &parts.headers,
-        request_id,
+        upstream_headers: &parts.headers,
         req: &req,
         body,
         route_id,
@@ -538,10 +549,9 @@ struct Ctx<'a> {
     app: &'a App,
     snap: &'a Snapshot,
     method: &'a Method,
-    /// The client's headers; each attempt forwards the ones that may go upstream.
-    client_headers: &'a HeaderMap,
-    /// The gateway's id for the request, sent upstream as `x-request-id`.
-    request_id: HeaderValue,
+    /// The client's headers as every attempt sends them, with the gateway's id for the
+    /// request in `x-request-id` (see [`forward_headers`]).
+    upstream_headers: &'a HeaderMap,
     req: &'a Classified<'a>,
     body: Bytes,
     route_id: RouteId,
@@ -1663,12 +1673,7 @@ fn build_upstream_request(
     uri.scheme = Some(backend.scheme.clone());
     uri.authority = Some(backend.authority.clone());
     uri.path_and_query = Some(http::uri::PathAndQuery::try_from(target.path_and_query)?);
-    // Built for each attempt straight from the client's headers (a retry is rare; a
-    // filtered copy kept for all attempts was one more map to build, clone and drop).
-    let mut headers = forward_headers(ctx.client_headers);
-    // The backend sees the gateway's id for the request (the client's own when it sent a
-    // sane one), so the two logs can be matched.
-    headers.insert(HEADER_REQUEST_ID, ctx.request_id.clone());
+    let mut headers = ctx.upstream_headers.clone();
     match bearer {
         Some(t) => {
             headers.insert(header::AUTHORIZATION, t.header().clone());
@@ -2174,9 +2179,11 @@ mod tests {
             ("user-agent", "OpenAI/Python"),
             ("x-forwarded", "kept: not a forwarding header family"),
         ]);
-        let out = forward_headers(&h);
+        let mut out = h;
+        forward_headers(&mut out, HeaderValue::from_static("req-1"));
         let names: Vec<_> = out.keys().map(|k| k.as_str()).collect();
-        assert_eq!(names.len(), 2, "{names:?}");
+        assert_eq!(names.len(), 3, "{names:?}");
         assert!(out.contains_key("user-agent") && out.contains_key("x-forwarded"));
+        assert_eq!(out[HEADER_REQUEST_ID], "req-1");
     }
 }

@@ -298,16 +298,23 @@ async fn send_on(
             Ok(h1.send(req, give_back).await?.map(Body::new))
         }
         Conn::H2(mut h2) => {
-            // HTTP/2 carries the authority in the request's `:authority`, from its URI.
+            // HTTP/2 carries the authority in the request's `:authority`, from its URI,
+            // and the body's length in its frames: a client's `Content-Length` (its body
+            // may have been changed since) is not sent.
             let host = req.headers_mut().remove(header::HOST);
+            let length = req.headers_mut().remove(header::CONTENT_LENGTH);
             match h2.try_send_request(req).await {
                 Ok(resp) => Ok(resp.map(Body::new)),
                 Err(mut e) => {
                     let error = h1::Error::new(error_chain(e.error()));
                     Err(match e.take_message() {
                         Some(mut req) => {
+                            let headers = req.headers_mut();
                             if let Some(host) = host {
-                                req.headers_mut().insert(header::HOST, host);
+                                headers.insert(header::HOST, host);
+                            }
+                            if let Some(length) = length {
+                                headers.insert(header::CONTENT_LENGTH, length);
                             }
                             h1::SendError::Unsent(Box::new(req), error)
                         }
@@ -704,18 +711,26 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_host_header_already_set_is_kept() {
-        let (port, seen) = backend(false).await;
-        let mut req = post(&format!("http://127.0.0.1:{port}/"));
-        req.headers_mut()
-            .insert(header::HOST, HeaderValue::from_static("example.test"));
-        let resp = client().send(req, LONG).await.unwrap();
-        body_of(resp).await;
-        let reqs = seen.requests.lock().unwrap().clone();
-        assert_eq!(
-            reqs,
-            vec![("/".to_string(), Some("example.test".to_string()))]
-        );
+    async fn the_host_and_length_sent_are_the_connections_whatever_the_request_had() {
+        for h2 in [false, true] {
+            let (port, seen) = backend(h2).await;
+            let mut req = post(&format!("http://127.0.0.1:{port}/"));
+            let headers = req.headers_mut();
+            headers.insert(header::HOST, HeaderValue::from_static("client.example"));
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("999"));
+            let c = UpstreamClient::build(Duration::from_secs(5), h2);
+            // Over HTTP/2, a length that is not the body's would fail the request.
+            let resp = c.send(req, LONG).await.unwrap();
+            assert_eq!(body_of(resp).await, "ok");
+            let reqs = seen.requests.lock().unwrap().clone();
+            // HTTP/2 has no Host header: its authority (the URI's) is the backend's.
+            let want = if h2 {
+                (format!("http://127.0.0.1:{port}/"), None)
+            } else {
+                ("/".to_string(), Some(format!("127.0.0.1:{port}")))
+            };
+            assert_eq!(reqs, vec![want], "h2: {h2}");
+        }
     }
 
     #[tokio::test]

@@ -1424,6 +1424,20 @@ async fn every_response_carries_a_request_id_that_the_log_lines_share() {
         "client-abc.123",
         "a sane client id is kept"
     );
+    // The backend got the same id, once.
+    let sent = env.mocks[0].requests();
+    assert_eq!(sent[0].header("x-request-id"), Some(generated.as_str()));
+    assert_eq!(sent[1].header("x-request-id"), Some("client-abc.123"));
+    assert_eq!(
+        sent[1]
+            .headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case("x-request-id"))
+            .count(),
+        1,
+        "{:?}",
+        sent[1].headers
+    );
     let req = env
         .request("POST", "/v1/chat/completions", CHAT)
         .header("x-request-id", "bad id\twith spaces");
