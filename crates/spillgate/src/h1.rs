@@ -369,8 +369,7 @@ fn full_bytes(mut body: Full<Bytes>) -> Bytes {
 
 /// The request line and headers. `Content-Length` is the body's (any the request had, and
 /// any `Transfer-Encoding`, are left out); a `GET` or `HEAD` without a body has none.
-/// `Host` is the connection's (`host`), whatever the request had; the request's only when
-/// the connection has none.
+/// `Host` is the connection's (`host`), never the request's (the client's).
 fn encode_head(
     out: &mut Vec<u8>,
     req: &http::request::Parts,
@@ -396,7 +395,7 @@ fn encode_head(
     for (name, value) in &req.headers {
         let own = name == header::CONTENT_LENGTH
             || name == header::TRANSFER_ENCODING
-            || (name == header::HOST && host.is_some());
+            || name == header::HOST;
         if !own {
             header_line(out, name, value);
         }

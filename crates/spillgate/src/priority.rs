@@ -309,7 +309,7 @@ pub fn usage_total(json: &[u8]) -> Option<u64> {
 
 /// What [`plain_usage`] made of a `usage` value.
 enum Plain {
-    /// Read, as the parser would read it.
+    /// Read: as the parser reads it, when the object is well-formed JSON.
     Read(Usage),
     /// Not the plain shape it reads: left to the parser.
     Unsure,
@@ -328,9 +328,12 @@ const USAGE_COUNTS: [&[u8]; 5] = [
 /// of the shape backends send: an object whose counts are plain integers or `null`, its
 /// other members (`prompt_tokens_details`...) skipped over unread. Anything else (a key
 /// with escapes, a count written `1.0`, a repeated count) is `Unsure`, for the parser
-/// to settle: a parse of the usage object cost several times this scan.
+/// to settle: a parse of the usage object cost several times this scan. On well-formed
+/// JSON it reads what the parser reads. It does not check the syntax of what it skips:
+/// in a malformed object (a trailing comma, a bad literal in a skipped member) it may
+/// read the counts the parser would refuse; the usage is then counted, not lost.
 fn plain_usage(value: &[u8]) -> Plain {
-    if value.trim_ascii_start().first() != Some(&b'{') {
+    if json_trim_start(value).first() != Some(&b'{') {
         return Plain::Unsure;
     }
     let mut counts: [Option<Option<u64>>; 5] = [None; 5];
@@ -357,7 +360,7 @@ fn plain_usage(value: &[u8]) -> Plain {
 /// A count's value: `Some(None)` for `null`, `Some(Some(n))` for a plain integer (digits,
 /// no leading zero, no fraction or exponent, within `u64`); `None` for anything else.
 fn plain_count(rest: &[u8]) -> Option<Option<u64>> {
-    let rest = rest.trim_ascii_start();
+    let rest = json_trim_start(rest);
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
     let (n, after) = match digits {
         0 => (None, rest.strip_prefix(b"null")?),
@@ -375,6 +378,16 @@ fn plain_count(rest: &[u8]) -> Option<Option<u64>> {
         Some(b',' | b'}' | b' ' | b'\t' | b'\n' | b'\r')
     )
     .then_some(n)
+}
+
+/// `bytes` without the JSON whitespace (space, tab, CR, LF) it starts with; not form
+/// feed, which `trim_ascii_start` also takes and JSON does not.
+fn json_trim_start(bytes: &[u8]) -> &[u8] {
+    let n = bytes
+        .iter()
+        .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        .count();
+    &bytes[n..]
 }
 
 /// A `usage` value read by the JSON parser: `None` when it is `null` or does not parse
@@ -909,11 +922,18 @@ mod tests {
             r#"{"total_\u0074okens":1}"#,
             r#"{"total_tokens":nul}"#,
             r#"{"total_tokens":1"#,
+            r#"{"total_tokens":1,"#,
+            r#"{"total_tokens":1 "#,
+            r#"{"total_tokens":1,"x":"}"#,
+            "{\"total_tokens\":\x0c1}",
+            "\x0c{\"total_tokens\":1}",
             r#"[1,2,3,4,5]"#,
             "null",
         ] {
             assert_eq!(read(unsure), None, "{unsure}");
         }
+        // Malformed where it is skipped: the counts are read all the same.
+        assert_eq!(read(r#"{"total_tokens":5,"x":tru}"#), Some(Some(5)));
         // And the parser reads them as it always did.
         assert_eq!(
             usage_total(br#"{"usage":{"total_tokens":1,"total_tokens":2}}"#),
@@ -1083,8 +1103,8 @@ mod tests {
             proptest::prop_assert_eq!(usage_total(&json), usage_by_full_parse(&json));
         }
 
-        /// Whatever a `usage` value holds, the scan reads it as the parser does or leaves
-        /// it to the parser.
+        /// Whatever a well-formed `usage` value holds, the scan reads it as the parser
+        /// does or leaves it to the parser.
         #[test]
         fn plain_usage_never_disagrees_with_the_parser(
             v in json_value(),

@@ -80,12 +80,13 @@ fn is_hop_by_hop(name: &HeaderName, connection: &GetAll<'_, HeaderValue>) -> boo
 /// Makes the client's headers the ones that go upstream, in place, once per request:
 /// without hop-by-hop headers, the client's credentials and cookies, and with the
 /// gateway's id for the request (the client's own when it sent a sane one), so that the
-/// two logs can be matched. `Host` and `Content-Length` stay: the upstream connection
-/// sends its own in their place (see `upstream::send_on`), and most requests have
-/// nothing else to take out. Each attempt sends a clone with its credential added: a
-/// clone hashes nothing again and copies no header's bytes, where building the map anew
-/// for each attempt hashed every name again. Removals move the last header into the gap:
-/// the order may change.
+/// two logs can be matched. `Host` and `Content-Length` stay: the
+/// [`Upstream`](crate::upstream::Upstream) sends its own in their place (the HTTP/1.1
+/// writer, `h1::encode_head`, and the HTTP/2 path of `upstream::send_on`), and most
+/// requests have nothing else to take out. Each attempt sends a clone with its
+/// credential added: a clone hashes nothing again and copies no header's bytes, where
+/// building the map anew for each attempt hashed every name again. Removals move the
+/// last header into the gap: the order may change.
 fn forward_headers(headers: &mut HeaderMap, request_id: HeaderValue) {
     let connection = headers.get_all(header::CONNECTION);
     let unwanted: SmallVec<[HeaderName; 4]> = headers
@@ -549,8 +550,9 @@ struct Ctx<'a> {
     app: &'a App,
     snap: &'a Snapshot,
     method: &'a Method,
-    /// The client's headers as every attempt sends them, with the gateway's id for the
-    /// request in `x-request-id` (see [`forward_headers`]).
+    /// The client's headers that go upstream, with the gateway's id for the request in
+    /// `x-request-id` (see [`forward_headers`]; `Host` and `Content-Length` are still the
+    /// client's, for the [`Upstream`](crate::upstream::Upstream) to replace).
     upstream_headers: &'a HeaderMap,
     req: &'a Classified<'a>,
     body: Bytes,
@@ -1165,10 +1167,10 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             },
         };
         if attempts == 0 {
-            // The budget counts requests that reach a backend. The first attempt is
-            // never a wait: the time read when this turn of the loop began is now.
+            // The budget counts requests that reach a backend. Read afresh: choosing a
+            // backend or waiting for a token may have taken time since `now`.
             if let Ok(mut b) = snap.routes[ctx.route_id].budget.lock() {
-                b.deposit(now);
+                b.deposit(app.clock.now_ms());
             }
         }
         attempts += 1;

@@ -63,7 +63,8 @@ impl Clock {
         self.ms_at(tokio::time::Instant::now())
     }
 
-    /// `now_ms` as it was (or will be) at `at`, for a caller that read the clock already.
+    /// `now_ms` at `at`, on the current base, for a caller that read the clock already
+    /// (just before: a re-base since then would move the result with it).
     pub fn ms_at(&self, at: tokio::time::Instant) -> u64 {
         let elapsed = at.saturating_duration_since(self.base_instant);
         self.base_unix_ms

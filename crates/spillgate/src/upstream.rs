@@ -44,7 +44,9 @@ pub enum AttemptError {
 /// Sends one request to a backend. The gateway's request path only sees this trait, so
 /// tests can run the whole gateway in memory against scripted backends, with paused time.
 pub trait Upstream: Send + Sync + 'static {
-    /// Resolves when the response headers arrive, or fails after `timeout`.
+    /// Resolves when the response headers arrive, or fails after `timeout`. A `Host` or
+    /// `Content-Length` in `req` is the client's: what is sent is the backend's host and
+    /// the body's length.
     fn send(
         &self,
         req: http::Request<Full<Bytes>>,
