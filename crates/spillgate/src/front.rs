@@ -591,7 +591,7 @@ where
         _ => None,
     };
     let chunked = matches!(framing, Framing::Chunked(_));
-    encode_head(&mut head, &parts, length, chunked, (&mut reusable, version));
+    encode_head(&mut head, &parts, length, chunked, &mut reusable, version);
     drop(parts);
     if framing == Framing::Done {
         write_all(out, &mut [IoSlice::new(&head)]).await?;
@@ -711,7 +711,8 @@ fn encode_head(
     parts: &http::response::Parts,
     length: Option<u64>,
     chunked: bool,
-    (reusable, version): (&mut bool, Version),
+    reusable: &mut bool,
+    version: Version,
 ) {
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(parts.status.as_str().as_bytes());

@@ -193,7 +193,6 @@ impl Conn {
             conn: Some(self),
             framing,
             release: reusable.then_some(release),
-            error: None,
         });
         *resp.status_mut() = head.status;
         *resp.version_mut() = head.version;
@@ -837,8 +836,6 @@ pub struct Body<R> {
     framing: Framing,
     /// Where the connection goes at the end; `None` when it cannot carry another request.
     release: Option<R>,
-    /// Found by [`Body::settle`], for the next poll to report.
-    error: Option<Error>,
 }
 
 /// What the read buffer gave.
@@ -976,18 +973,15 @@ fn decode_step(framing: &mut Framing, buf: &mut BytesMut, data: bool) -> Result<
 }
 
 impl<R: Release> Body<R> {
-    /// Moves past the framing the buffer already holds (a chunk's CRLF, the last chunk,
-    /// trailers), up to data: a body whose end has arrived ends now, its connection free
-    /// and [`is_end_stream`](http_body::Body::is_end_stream) true with its last data. An
-    /// error found here is reported by the next poll.
+    /// Moves past the framing that arrived with the head, up to data: a body whose end
+    /// has arrived too (an empty chunked body, say) ends now, its connection free. An
+    /// error is left where it is, as [`decode`] leaves it, for the first poll to report.
     fn settle(&mut self) {
         let Some(conn) = self.conn.as_mut() else {
             return;
         };
-        match decode(&mut self.framing, &mut conn.buf, false) {
-            Ok(Step::End) => self.finish(),
-            Ok(_) => {}
-            Err(e) => self.error = Some(e),
+        if let Ok(Step::End) = decode(&mut self.framing, &mut conn.buf, false) {
+            self.finish();
         }
     }
 
@@ -1058,9 +1052,6 @@ impl<R: Release> http_body::Body for Body<R> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
         let this = &mut *self;
-        if let Some(e) = this.error.take() {
-            return this.fail(e);
-        }
         loop {
             let Some(conn) = this.conn.as_mut() else {
                 return Poll::Ready(None);

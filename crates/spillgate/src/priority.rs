@@ -373,20 +373,21 @@ fn plain_count(rest: &[u8]) -> Option<Option<u64>> {
             (Some(n), &rest[digits..])
         }
     };
-    matches!(
-        after.first(),
-        Some(b',' | b'}' | b' ' | b'\t' | b'\n' | b'\r')
-    )
-    .then_some(n)
+    after
+        .first()
+        .is_some_and(|&b| b == b',' || b == b'}' || is_json_space(b))
+        .then_some(n)
 }
 
-/// `bytes` without the JSON whitespace (space, tab, CR, LF) it starts with; not form
-/// feed, which `trim_ascii_start` also takes and JSON does not.
+/// JSON whitespace: space, tab, CR, LF; not form feed, which `is_ascii_whitespace` also
+/// takes and JSON does not.
+fn is_json_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+/// `bytes` without the JSON whitespace it starts with.
 fn json_trim_start(bytes: &[u8]) -> &[u8] {
-    let n = bytes
-        .iter()
-        .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
-        .count();
+    let n = bytes.iter().take_while(|&&b| is_json_space(b)).count();
     &bytes[n..]
 }
 

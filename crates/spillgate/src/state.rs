@@ -54,9 +54,9 @@ impl Clock {
         }
     }
 
-    fn elapsed_ms(&self) -> u64 {
-        let elapsed = tokio::time::Instant::now().saturating_duration_since(self.base_instant);
-        spillgate_core::outcome::millis(elapsed)
+    /// Milliseconds from the base instant to `at`.
+    fn elapsed_ms(&self, at: tokio::time::Instant) -> u64 {
+        spillgate_core::outcome::millis(at.saturating_duration_since(self.base_instant))
     }
 
     pub fn now_ms(&self) -> u64 {
@@ -66,10 +66,9 @@ impl Clock {
     /// `now_ms` at `at`, on the current base, for a caller that read the clock already
     /// (just before: a re-base since then would move the result with it).
     pub fn ms_at(&self, at: tokio::time::Instant) -> u64 {
-        let elapsed = at.saturating_duration_since(self.base_instant);
         self.base_unix_ms
             .load(Ordering::Relaxed)
-            .saturating_add(spillgate_core::outcome::millis(elapsed))
+            .saturating_add(self.elapsed_ms(at))
     }
 
     /// The tokio instant at which unix time `ms` is reached.
@@ -88,13 +87,13 @@ impl Clock {
     /// last re-base would look.
     #[cfg(test)]
     pub(crate) fn step_for_test(&self, unix_ms: u64) {
-        let base = unix_ms.saturating_sub(self.elapsed_ms());
+        let base = unix_ms.saturating_sub(self.elapsed_ms(tokio::time::Instant::now()));
         self.base_unix_ms.store(base, Ordering::Relaxed);
     }
 
     /// [`Clock::rebase`] against a given wall time. Called by one task at a time.
     pub fn rebase_to(&self, wall_ms: u64) -> i64 {
-        let elapsed = self.elapsed_ms();
+        let elapsed = self.elapsed_ms(tokio::time::Instant::now());
         let since_last =
             elapsed.saturating_sub(self.rebased_at_ms.swap(elapsed, Ordering::Relaxed));
         let target = wall_ms.saturating_sub(elapsed);
