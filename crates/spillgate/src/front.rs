@@ -196,13 +196,13 @@ impl http_body::Body for RequestBody {
     }
 }
 
-/// Takes a complete request head off the front of `buf`, as a request without its body,
-/// or returns `None` when it is not all there yet. A head over the limits is refused with
-/// 431, a malformed one with 400.
+/// Takes a complete request head off the front of `buf`, as a request without its body
+/// and which framing headers it has, or returns `None` when it is not all there yet. A
+/// head over the limits is refused with 431, a malformed one with 400.
 fn parse_head(
     buf: &mut BytesMut,
     limits: &Limits,
-) -> Result<Option<http::Request<()>>, GatewayError> {
+) -> Result<Option<(http::Request<()>, h1::Seen)>, GatewayError> {
     let too_large = |what: String| {
         GatewayError::new(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -247,7 +247,7 @@ fn parse_head(
     spans.record(buf, req.headers);
     // Room for the headers the gateway adds on the way upstream: a map that had to grow
     // for them would hash every header again.
-    let (head, headers) = spans
+    let (head, headers, seen) = spans
         .take(buf, len, crate::proxy::ADDED_REQUEST_HEADERS)
         .map_err(|why| {
             GatewayError::bad_request("invalid_request_head", format!("{why} in the request."))
@@ -260,7 +260,7 @@ fn parse_head(
     *req.uri_mut() = uri;
     *req.version_mut() = version;
     *req.headers_mut() = headers;
-    Ok(Some(req))
+    Ok(Some((req, seen)))
 }
 
 /// The framing of a request body (RFC 9112, section 6.3), and whether the connection can
@@ -269,20 +269,25 @@ fn parse_head(
 fn request_framing(
     version: Version,
     headers: &mut HeaderMap,
+    seen: h1::Seen,
 ) -> Result<(Framing, bool), GatewayError> {
+    let has = |headers: &HeaderMap, token| seen.connection && h1::connection_has(headers, token);
     let mut keep_alive = match version {
-        Version::HTTP_10 => h1::connection_has(headers, "keep-alive"),
-        _ => !h1::connection_has(headers, "close"),
+        Version::HTTP_10 => has(headers, "keep-alive"),
+        _ => !has(headers, "close"),
     };
     let bad = |message: &str| GatewayError::bad_request("invalid_request_framing", message);
-    let mut te = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
-    if te.peek().is_some() {
+    if seen.transfer_encoding {
+        let mut te = headers.get_all(header::TRANSFER_ENCODING).iter();
         // HTTP/1.0 has no transfer codings: a sender that uses one is not to be trusted
         // with where the message ends (RFC 9112, section 6.1).
         if version == Version::HTTP_10 {
             return Err(bad("An HTTP/1.0 request cannot use Transfer-Encoding."));
         }
-        if !te.last().is_some_and(|v| h1::last_token_is(v, "chunked")) {
+        if !te
+            .next_back()
+            .is_some_and(|v| h1::last_token_is(v, "chunked"))
+        {
             return Err(bad(
                 "A request with Transfer-Encoding must end it with `chunked`.",
             ));
@@ -290,7 +295,12 @@ fn request_framing(
         keep_alive &= headers.remove(header::CONTENT_LENGTH).is_none();
         return Ok((Framing::Chunked(Chunk::Size), keep_alive));
     }
-    match h1::content_length(headers) {
+    let length = if seen.content_length {
+        h1::content_length(headers)
+    } else {
+        Ok(None)
+    };
+    match length {
         Ok(None | Some(0)) => Ok((Framing::Done, keep_alive)),
         Ok(Some(n)) => Ok((Framing::Length(n), keep_alive)),
         Err(why) => Err(bad(&format!("The request has an {why}."))),
@@ -299,7 +309,7 @@ fn request_framing(
 
 /// How the connection's wait for a head ended.
 enum Next {
-    Head(http::Request<()>),
+    Head(http::Request<()>, h1::Seen),
     /// Closed by the client, idle too long, or the gateway is stopping: closes quietly.
     End,
     /// Answered with this error, then closed.
@@ -356,10 +366,10 @@ pub async fn serve<S, B>(
             loop {
                 if input.may_hold_head() || input.buf.len() > limits.max_head {
                     match parse_head(&mut input.buf, &limits) {
-                        Ok(Some(head)) => {
+                        Ok(Some((head, seen))) => {
                             // The buffer now starts after it: searched from its start.
                             input.scanned = 0;
-                            return Poll::Ready(Next::Head(head));
+                            return Poll::Ready(Next::Head(head, seen));
                         }
                         Ok(None) => {}
                         Err(e) => return Poll::Ready(Next::Refused(e)),
@@ -391,8 +401,8 @@ pub async fn serve<S, B>(
             })
         })
         .await;
-        let mut head = match next {
-            Next::Head(head) => head,
+        let (mut head, seen) = match next {
+            Next::Head(head, seen) => (head, seen),
             Next::End => return,
             Next::Refused(e) => {
                 return refuse(out, &shared, e, (&Method::GET, Version::HTTP_11)).await
@@ -400,12 +410,13 @@ pub async fn serve<S, B>(
         };
         let version = head.version();
         let method = head.method().clone();
-        let (framing, keep_alive) = match request_framing(version, head.headers_mut()) {
+        let (framing, keep_alive) = match request_framing(version, head.headers_mut(), seen) {
             Ok(f) => f,
             Err(e) => return refuse(out, &shared, e, (&method, version)).await,
         };
         let hint = framing.size_hint();
         let expects_continue = version == Version::HTTP_11
+            && seen.expect
             && head
                 .headers()
                 .get(header::EXPECT)

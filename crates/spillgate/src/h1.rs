@@ -185,7 +185,8 @@ impl Conn {
         }
         let mut headers = head.headers;
         let (framing, keep_alive) =
-            framing(is_head, head.status, head.version, &mut headers).map_err(SendError::Failed)?;
+            framing(is_head, head.status, head.version, &mut headers, head.seen)
+                .map_err(SendError::Failed)?;
         // Answered before taking the whole request: the rest of it is not sent, so the
         // connection cannot carry another.
         let reusable = keep_alive && wrote == Wrote::All;
@@ -424,6 +425,7 @@ struct Head {
     status: StatusCode,
     version: Version,
     headers: HeaderMap,
+    seen: Seen,
 }
 
 /// Takes a complete response head off the front of `buf`, or leaves `buf` as it is and
@@ -458,7 +460,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
     let version = version(resp.version);
     let mut spans = HeadSpans::new();
     spans.record(buf, resp.headers);
-    let (_, headers) = spans
+    let (_, headers, seen) = spans
         // Room for the headers the proxy adds: a map that had to grow for them would
         // hash every header again.
         .take(buf, len, crate::proxy::ADDED_RESPONSE_HEADERS)
@@ -467,6 +469,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
         status,
         version,
         headers,
+        seen,
     }))
 }
 
@@ -527,18 +530,18 @@ impl HeadSpans {
         }
     }
 
-    /// Takes the head, its first `len` bytes, off `buf`: its bytes, and its headers as a
-    /// map with room for `extra` more, the values sharing the head's bytes (no copy). The
-    /// error says what was wrong, naming no value.
+    /// Takes the head, its first `len` bytes, off `buf`: its bytes, its headers as a map
+    /// with room for `extra` more (the values sharing the head's bytes, no copy), and
+    /// which framing headers it has. The error says what was wrong, naming no value.
     pub(crate) fn take(
         &self,
         buf: &mut BytesMut,
         len: usize,
         extra: usize,
-    ) -> Result<(Bytes, HeaderMap), String> {
+    ) -> Result<(Bytes, HeaderMap, Seen), String> {
         let head = buf.split_to(len).freeze();
-        let headers = header_map(&head, self.spans(), extra)?;
-        Ok((head, headers))
+        let (headers, seen) = header_map(&head, self.spans(), extra)?;
+        Ok((head, headers, seen))
     }
 }
 
@@ -568,20 +571,52 @@ struct Span {
     value: Part,
 }
 
-/// The headers at `spans` of `head`, with room for `extra` more; their values share its
-/// bytes. The error says what was wrong, naming no value.
-fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<HeaderMap, String> {
+/// Which of the headers that say how a message is framed (and `Expect`) a head has,
+/// noted while its map is built from where each name lies in [`COMMON_NAMES`]. Their
+/// values are looked up only when they are there: most heads have neither `Connection`
+/// nor `Transfer-Encoding`, and a lookup hashes the name.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Seen {
+    pub(crate) connection: bool,
+    pub(crate) transfer_encoding: bool,
+    pub(crate) content_length: bool,
+    pub(crate) expect: bool,
+}
+
+impl Seen {
+    fn note(&mut self, common: usize) {
+        match common {
+            CONNECTION => self.connection = true,
+            TRANSFER_ENCODING => self.transfer_encoding = true,
+            CONTENT_LENGTH => self.content_length = true,
+            EXPECT => self.expect = true,
+            _ => {}
+        }
+    }
+}
+
+/// The headers at `spans` of `head`, with room for `extra` more (their values share its
+/// bytes), and which framing headers are among them. The error says what was wrong,
+/// naming no value.
+fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<(HeaderMap, Seen), String> {
     let mut headers = HeaderMap::with_capacity(spans.len() + extra);
+    let mut seen = Seen::default();
     for span in spans {
-        let name = head
-            .get(span.name.range())
-            .and_then(|n| common_name(n).or_else(|| HeaderName::from_bytes(n).ok()))
-            .ok_or_else(|| "invalid header name".to_string())?;
+        let bytes = head.get(span.name.range()).unwrap_or_default();
+        let name = match common_index(bytes) {
+            Some(i) => {
+                seen.note(i);
+                COMMON_NAMES[i].clone()
+            }
+            // Not one of the framing headers, which are all common names (matched
+            // whatever their case).
+            None => HeaderName::from_bytes(bytes).map_err(|_| "invalid header name".to_string())?,
+        };
         let value = HeaderValue::from_maybe_shared(head.slice(span.value.range()))
             .map_err(|_| format!("invalid value of header {name}"))?;
         headers.append(name, value);
     }
-    Ok(headers)
+    Ok((headers, seen))
 }
 
 /// Declares [`COMMON_NAMES`] and [`COMMON_NAME_TEXTS`] from one list, in the same order.
@@ -659,8 +694,44 @@ const COMMON_NAME_SLOTS: [u8; NAME_SLOTS] = {
     slots
 };
 
+/// Where `name` is in [`COMMON_NAMES`] (at compile time; past its end when it is not
+/// there, which the assertion below refuses).
+const fn common_at(name: &str) -> usize {
+    let mut i = 0;
+    while i < COMMON_NAME_TEXTS.len() {
+        let (a, b) = (COMMON_NAME_TEXTS[i].as_bytes(), name.as_bytes());
+        if a.len() == b.len() {
+            let mut k = 0;
+            while k < a.len() && a[k] == b[k] {
+                k += 1;
+            }
+            if k == a.len() {
+                return i;
+            }
+        }
+        i += 1;
+    }
+    i
+}
+const CONNECTION: usize = common_at("connection");
+const TRANSFER_ENCODING: usize = common_at("transfer-encoding");
+const CONTENT_LENGTH: usize = common_at("content-length");
+const EXPECT: usize = common_at("expect");
+const _: () = assert!(
+    CONNECTION < COMMON_NAME_TEXTS.len()
+        && TRANSFER_ENCODING < COMMON_NAME_TEXTS.len()
+        && CONTENT_LENGTH < COMMON_NAME_TEXTS.len()
+        && EXPECT < COMMON_NAME_TEXTS.len()
+);
+
 /// `name` as one of [`COMMON_NAMES`], whatever its case.
+#[cfg(test)]
 fn common_name(name: &[u8]) -> Option<HeaderName> {
+    common_index(name).map(|i| COMMON_NAMES[i].clone())
+}
+
+/// Where `name` is in [`COMMON_NAMES`], whatever its case.
+fn common_index(name: &[u8]) -> Option<usize> {
     if name.is_empty() {
         return None;
     }
@@ -673,7 +744,7 @@ fn common_name(name: &[u8]) -> Option<HeaderName> {
         }
         let i = usize::from(slot);
         if same_ignoring_case(name, COMMON_NAME_TEXTS[i].as_bytes()) {
-            return Some(COMMON_NAMES[i].clone());
+            return Some(i);
         }
         s = (s + 1) % NAME_SLOTS;
     }
@@ -734,14 +805,16 @@ fn framing(
     status: StatusCode,
     version: Version,
     headers: &mut HeaderMap,
+    seen: Seen,
 ) -> Result<(Framing, bool), Error> {
-    let mut keep_alive = version == Version::HTTP_11 && !connection_has(headers, "close");
+    let mut keep_alive =
+        version == Version::HTTP_11 && !(seen.connection && connection_has(headers, "close"));
     if is_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Done, keep_alive));
     }
-    let mut te = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
-    if te.peek().is_some() {
-        let chunked = te.last().is_some_and(|v| last_token_is(v, "chunked"));
+    if seen.transfer_encoding {
+        let mut te = headers.get_all(header::TRANSFER_ENCODING).iter();
+        let chunked = te.next_back().is_some_and(|v| last_token_is(v, "chunked"));
         // With a Content-Length too, the message is suspect: not reused.
         keep_alive &= headers.remove(header::CONTENT_LENGTH).is_none();
         return Ok(if chunked {
@@ -750,8 +823,11 @@ fn framing(
             (Framing::Close, false)
         });
     }
-    let length =
-        content_length(headers).map_err(|why| Error::new(format!("{why} in the response")))?;
+    let length = if seen.content_length {
+        content_length(headers).map_err(|why| Error::new(format!("{why} in the response")))?
+    } else {
+        None
+    };
     Ok(match length {
         Some(0) => (Framing::Done, keep_alive),
         Some(n) => (Framing::Length(n), keep_alive),
@@ -1151,7 +1227,7 @@ mod tests {
         let mut spans = HeadSpans::new();
         spans.record(raw, parsed);
         let head = Bytes::from_static(raw);
-        let (_, map) = spans.take(&mut BytesMut::from(&raw[..]), len, 0).unwrap();
+        let (_, map, _) = spans.take(&mut BytesMut::from(&raw[..]), len, 0).unwrap();
         assert_eq!(map.len(), 3);
         assert_eq!(map["x-ratelimit-remaining-tokens"], "10");
         assert_eq!(map["x-custom-thing"], "a");
@@ -1164,6 +1240,57 @@ mod tests {
             header_map(&head, &bad, 0).unwrap_err(),
             "invalid header name"
         );
+    }
+
+    /// What a head says it has of the framing headers is what its map has, in any case
+    /// and any mix: a header missed would leave a body unread or a close unseen.
+    #[test]
+    fn a_head_notes_exactly_the_framing_headers_it_has() {
+        let names = [
+            "Connection",
+            "TRANSFER-encoding",
+            "content-Length",
+            "expect",
+        ];
+        for mask in 0..16u8 {
+            let mut raw = b"X-Other: 1\r\nContent-Type: a\r\n".to_vec();
+            for (i, name) in names.iter().enumerate() {
+                if mask & (1 << i) != 0 {
+                    raw.extend_from_slice(format!("{name}: v\r\n").as_bytes());
+                }
+            }
+            raw.extend_from_slice(b"\r\n");
+            let mut headers = [httparse::EMPTY_HEADER; 8];
+            let Ok(httparse::Status::Complete((len, parsed))) =
+                httparse::parse_headers(&raw, &mut headers)
+            else {
+                panic!("incomplete")
+            };
+            let mut spans = HeadSpans::new();
+            spans.record(&raw, parsed);
+            let (_, map, seen) = spans.take(&mut BytesMut::from(&raw[..]), len, 0).unwrap();
+            let has = |name| map.contains_key(name);
+            assert_eq!(
+                seen,
+                Seen {
+                    connection: has(header::CONNECTION),
+                    transfer_encoding: has(header::TRANSFER_ENCODING),
+                    content_length: has(header::CONTENT_LENGTH),
+                    expect: has(header::EXPECT),
+                },
+                "{mask:04b}"
+            );
+            assert_eq!(
+                [
+                    seen.connection,
+                    seen.transfer_encoding,
+                    seen.content_length,
+                    seen.expect
+                ],
+                [0, 1, 2, 3].map(|i| mask & (1 << i) != 0),
+                "{mask:04b}"
+            );
+        }
     }
 
     /// Keeps the connection a body gives back.

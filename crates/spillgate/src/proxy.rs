@@ -15,7 +15,6 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
-use http::header::GetAll;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use spillgate_core::capacity::{parse_headers as parse_ratelimit, Admission, Reserve};
@@ -70,11 +69,38 @@ const HOP_BY_HOP: [&str; 8] = [
     "transfer-encoding",
 ];
 
-/// Whether `name` is hop-by-hop: one of [`HOP_BY_HOP`], `upgrade`, or a name the
-/// `Connection` values (`connection`, looked up once per map) list.
-fn is_hop_by_hop(name: &HeaderName, connection: &GetAll<'_, HeaderValue>) -> bool {
+/// Whether `name` is hop-by-hop by itself: one of [`HOP_BY_HOP`] or `upgrade`. The names
+/// a `Connection` header lists are too (see [`unwanted_names`]).
+fn is_hop_by_hop(name: &HeaderName) -> bool {
     let n = name.as_str();
-    HOP_BY_HOP.contains(&n) || n == "upgrade" || connection.iter().any(|v| h1::has_token(v, n))
+    HOP_BY_HOP.contains(&n) || n == "upgrade"
+}
+
+/// The names of `headers` that are hop-by-hop or `unwanted`. The `Connection` values are
+/// looked up (which hashes the name) only when a name in the map says there are some:
+/// most heads have none.
+fn unwanted_names(
+    headers: &HeaderMap,
+    unwanted: impl Fn(&str) -> bool,
+) -> SmallVec<[HeaderName; 4]> {
+    let mut connection = false;
+    let mut names: SmallVec<[HeaderName; 4]> = headers
+        .keys()
+        .filter(|name| {
+            connection |= *name == header::CONNECTION;
+            is_hop_by_hop(name) || unwanted(name.as_str())
+        })
+        .cloned()
+        .collect();
+    if connection {
+        let listed = headers.get_all(header::CONNECTION);
+        for name in headers.keys() {
+            if !names.contains(name) && listed.iter().any(|v| h1::has_token(v, name.as_str())) {
+                names.push(name.clone());
+            }
+        }
+    }
+    names
 }
 
 /// Makes the client's headers the ones that go upstream, in place, once per request:
@@ -88,19 +114,12 @@ fn is_hop_by_hop(name: &HeaderName, connection: &GetAll<'_, HeaderValue>) -> boo
 /// building the map anew for each attempt hashed every name again. Removals move the
 /// last header into the gap: the order may change.
 fn forward_headers(headers: &mut HeaderMap, request_id: HeaderValue) {
-    let connection = headers.get_all(header::CONNECTION);
-    let unwanted: SmallVec<[HeaderName; 4]> = headers
-        .keys()
-        .filter(|name| {
-            let n = name.as_str();
-            is_hop_by_hop(name, &connection)
-                || CLIENT_CREDENTIAL_HEADERS.contains(&n)
-                || matches!(n, "expect" | "cookie")
-                || CLIENT_ONLY_HEADERS.contains(&n)
-                || n.starts_with("x-forwarded-")
-        })
-        .cloned()
-        .collect();
+    let unwanted = unwanted_names(headers, |n| {
+        CLIENT_CREDENTIAL_HEADERS.contains(&n)
+            || matches!(n, "expect" | "cookie")
+            || CLIENT_ONLY_HEADERS.contains(&n)
+            || n.starts_with("x-forwarded-")
+    });
     for name in &unwanted {
         headers.remove(name);
     }
@@ -126,14 +145,7 @@ const BACKEND_ONLY_HEADERS: [&str; 3] = ["openai-organization", "openai-project"
 /// built (removals move the last header into the gap, so the order may change). `extra`
 /// is room for the headers the gateway adds.
 fn response_headers(mut headers: HeaderMap, extra: usize) -> HeaderMap {
-    let connection = headers.get_all(header::CONNECTION);
-    let unwanted: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| {
-            is_hop_by_hop(name, &connection) || BACKEND_ONLY_HEADERS.contains(&name.as_str())
-        })
-        .cloned()
-        .collect();
+    let unwanted = unwanted_names(&headers, |n| BACKEND_ONLY_HEADERS.contains(&n));
     for name in &unwanted {
         headers.remove(name);
     }
