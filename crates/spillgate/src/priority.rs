@@ -297,20 +297,50 @@ impl Usage {
 }
 
 /// The `usage` total of a JSON document, if it has one. Only the `usage` member is
-/// parsed; the rest of the document is skipped over, by [`sole_top_level_usage`] from the
-/// end, else by [`top_level_members`] from the start (this runs on every response).
+/// parsed; the rest of the document is skipped over: by [`last_member_usage`] when
+/// `usage` is its last member (as Azure writes it), else by [`sole_top_level_usage`]
+/// from the end or [`top_level_members`] from the start (this runs on every response).
 pub fn usage_total(json: &[u8]) -> Option<u64> {
+    if let Some(usage) = last_member_usage(json) {
+        return usage.total();
+    }
     let value = sole_top_level_usage(json).or_else(|| top_level_members(json, [b"usage"])[0])?;
     match plain_usage(value) {
-        Plain::Read(usage) => usage.total(),
+        Plain::Read(usage, _) => usage.total(),
         Plain::Unsure => parsed_usage(value)?.total(),
     }
 }
 
+/// The usage of `json` when the only `"usage"` in it is the key of the last member of
+/// the top-level object, and its value is an object [`plain_usage`] reads; `None` when
+/// it is not so. Found by a search for the last `"usage"` from the end and one for an
+/// earlier one from the start, without stepping through the document byte by byte.
+///
+/// On well-formed JSON, a `"usage"` whose first quote is not escaped is a string
+/// `usage` (its last quote follows a letter, so ends a string; its first one then opens
+/// it). Followed by a colon, it is a key; when its value is followed by `}` and the end
+/// of the document, that brace closes the object the key is in, and so that object is
+/// the document.
+fn last_member_usage(json: &[u8]) -> Option<Usage> {
+    const KEY: &[u8] = USAGE_NAME;
+    let at = USAGE_FROM_END.rfind(json)?;
+    // Another one, before: which is the key whose value counts is for the scans to say.
+    if escaped(json, at) || USAGE_FROM_START.find(&json[..at + KEY.len() - 1]).is_some() {
+        return None;
+    }
+    let value = member_value(&json[at + KEY.len()..])?;
+    let Plain::Read(usage, end) = plain_usage(value) else {
+        return None;
+    };
+    let rest = json_trim_start(&value[end..]);
+    (rest.first() == Some(&b'}') && json_trim_start(&rest[1..]).is_empty()).then_some(usage)
+}
+
 /// What [`plain_usage`] made of a `usage` value.
 enum Plain {
-    /// Read: as the parser reads it, when the object is well-formed JSON.
-    Read(Usage),
+    /// Read: as the parser reads it, when the object is well-formed JSON; and where
+    /// the object ends (past its closing brace).
+    Read(Usage, usize),
     /// Not the plain shape it reads: left to the parser.
     Unsure,
 }
@@ -352,7 +382,9 @@ fn plain_usage(value: &[u8]) -> Plain {
         sure
     });
     match (scanned, sure) {
-        (Some(()), true) => Plain::Read(Usage::from_counts(counts.map(Option::flatten))),
+        (Some(Scanned::Ended(end)), true) => {
+            Plain::Read(Usage::from_counts(counts.map(Option::flatten)), end)
+        }
         _ => Plain::Unsure,
     }
 }
@@ -414,8 +446,6 @@ fn parsed_usage(value: &[u8]) -> Option<Usage> {
 /// answer. `None` when this cannot tell: the caller then scans from the start.
 fn sole_top_level_usage(json: &[u8]) -> Option<&[u8]> {
     const KEY: &[u8] = USAGE_NAME;
-    static FIRST: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
     // From the end: outside strings, counting how deep in objects and arrays. A quote is
     // a string's edge unless an odd number of backslashes precede it; a string is stepped
     // over from its closing quote to its opening one with `memrchr`, not byte by byte.
@@ -436,7 +466,7 @@ fn sole_top_level_usage(json: &[u8]) -> Option<&[u8]> {
                 // no earlier member of that name either: the first one counts).
                 if depth == 1 && &json[i..=close] == KEY {
                     if let Some(value) = member_value(&json[close + 1..]) {
-                        return (FIRST.find(json)? == i).then_some(value);
+                        return (USAGE_FROM_START.find(json)? == i).then_some(value);
                     }
                 }
             }
@@ -483,10 +513,21 @@ fn top_level_members<'a, const N: usize>(
     found
 }
 
+/// How [`scan_members`] ended.
+enum Scanned {
+    /// Its callback said to stop.
+    Stopped,
+    /// At the end of the object: this far into `json` (past the closing brace).
+    Ended(usize),
+}
+
 /// Calls `member(key, rest)` for each member of the object `json` starts with (`rest`
 /// starts at the member's value) while it returns true. `Some` when it was stopped or the
 /// object ended; `None` when `json` ended first or is not an object.
-fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> bool) -> Option<()> {
+fn scan_members<'a>(
+    json: &'a [u8],
+    mut member: impl FnMut(&[u8], &'a [u8]) -> bool,
+) -> Option<Scanned> {
     let mut depth = 0usize;
     let mut i = 0;
     while let Some(&c) = json.get(i) {
@@ -505,7 +546,7 @@ fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> b
                 if depth == 1 {
                     if let Some(value) = member_value(json.get(i..)?) {
                         if !member(&json[start..end], value) {
-                            return Some(());
+                            return Some(Scanned::Stopped);
                         }
                     }
                 }
@@ -515,7 +556,7 @@ fn scan_members<'a>(json: &'a [u8], mut member: impl FnMut(&[u8], &'a [u8]) -> b
             b'}' | b']' => {
                 depth = depth.checked_sub(1)?;
                 if depth == 0 {
-                    return Some(());
+                    return Some(Scanned::Ended(i + 1));
                 }
             }
             _ => {}
@@ -662,6 +703,11 @@ impl<B, F: FnOnce(Option<u64>)> UsageTap<B, F> {
 
 /// The name of the `usage` member, as it is written in JSON.
 const USAGE_NAME: &[u8] = b"\"usage\"";
+/// Searches for [`USAGE_NAME`] from the start and from the end, built once.
+static USAGE_FROM_START: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(USAGE_NAME));
+static USAGE_FROM_END: std::sync::LazyLock<memchr::memmem::FinderRev<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::FinderRev::new(USAGE_NAME));
 /// What marks the one chunk of a stream worth parsing: [`USAGE_NAME`] as a key.
 const USAGE_KEY: &[u8] = b"\"usage\":";
 
@@ -888,10 +934,38 @@ mod tests {
         assert_eq!(usage_total(nested_after), Some(1));
     }
 
+    /// A `usage` written last, as Azure writes it, is read from the end without a
+    /// scan; anything else is left to the scans, which read it as before.
+    #[test]
+    fn a_last_usage_member_is_read_without_a_scan() {
+        let fast = |json: &[u8]| last_member_usage(json).map(|u| u.total());
+        let azure = br#"{"choices":[{"message":{"content":"the \"usage\": {\"total_tokens\":9}}"}}],"id":"x","usage":{"completion_tokens":4,"prompt_tokens":32,"total_tokens":36}}"#;
+        assert_eq!(fast(azure), Some(Some(36)));
+        let pretty = b"{\n  \"id\": \"x\",\n  \"usage\" : {\n    \"completion_tokens\": 4,\n    \"prompt_tokens\": 5\n  }\n}\n";
+        assert_eq!(fast(pretty), Some(Some(9)));
+        // Left to the scans: nested, not last, twice, a count to parse, not an object.
+        let cases: [(&[u8], Option<u64>); 6] = [
+            (br#"{"a":{"usage":{"total_tokens":1}}}"#, None),
+            (br#"{"a":[{"usage":{"total_tokens":1}}]}"#, None),
+            (br#"{"usage":{"total_tokens":1},"b":2}"#, Some(1)),
+            (
+                br#"{"usage":{"total_tokens":1},"usage":{"total_tokens":2}}"#,
+                Some(1),
+            ),
+            (br#"{"a":1,"usage":{"total_\u0074okens":1}}"#, Some(1)),
+            (br#"["usage",{"usage":{"total_tokens":1}}]"#, None),
+        ];
+        for (json, total) in cases {
+            let text = String::from_utf8_lossy(json);
+            assert!(fast(json).is_none(), "{text}");
+            assert_eq!(usage_total(json), total, "{text}");
+        }
+    }
+
     #[test]
     fn plain_usage_reads_what_backends_send_and_leaves_the_rest_to_the_parser() {
         let read = |json: &str| match plain_usage(json.as_bytes()) {
-            Plain::Read(u) => Some(u.total()),
+            Plain::Read(u, _) => Some(u.total()),
             Plain::Unsure => None,
         };
         // Azure's and OpenAI's shapes, details skipped; `null` counts; what follows the
@@ -1120,7 +1194,7 @@ mod tests {
                 }
             }
             let json = if pretty { serde_json::to_vec_pretty(&v) } else { serde_json::to_vec(&v) }.unwrap();
-            if let Plain::Read(usage) = plain_usage(&json) {
+            if let Plain::Read(usage, _) = plain_usage(&json) {
                 let parsed = serde_json::from_value::<Option<Usage>>(v).ok().flatten();
                 proptest::prop_assert_eq!(Some(usage), parsed);
             }
