@@ -278,7 +278,8 @@ fn parsed_body(body: &[u8], text: Option<&str>) -> Result<BodyInfo, BodyError> {
 mod quick {
     use super::{BodyInfo, LIMIT_NAMES};
 
-    /// Nesting past this is left to the parser (whose own limit is 128).
+    /// Nesting past this is left to the parser (which skips the members it does not
+    /// read without a depth limit): the quick pass recurses, and stops here.
     const MAX_DEPTH: usize = 64;
 
     /// Reads `text` when it is a JSON object the parser would accept, with no escape in
