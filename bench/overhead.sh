@@ -130,6 +130,14 @@ median_range() {
         printf f " (" g " to " g ")", m, v[1], v[NR] }'
 }
 
+# over <values> <bases>: each of the space-separated values less the base of the same
+# pass (what a proxy adds to direct's figure), space-separated.
+over() {
+    awk -v a="$1" -v b="$2" 'BEGIN {
+        n = split(a, x, " "); split(b, y, " ")
+        for (i = 1; i <= n; i++) printf "%s%s", (i > 1 ? " " : ""), x[i] - y[i] }'
+}
+
 # The headline figures, measured again in short passes that alternate nginx and
 # spillgate (each goes first in every other pass), against the 0 ms backend at 64
 # connections: on a shared machine one pass of each moves by 10-30%, so the median of
@@ -184,15 +192,11 @@ pinned() { # mock_port nginx_port spillgate_port
             P[$target.p99]="${P[$target.p99]:-} $p99"; P[$target.err]=$(( ${P[$target.err]:-0} + err ))
         done
     done
-    local d50 d99 v50 v99 vr a50 a99
-    read -r -a d50 <<<"${P[direct.p50]}"; read -r -a d99 <<<"${P[direct.p99]}"
+    local v50 v99 vr a50 a99
     for target in "${targets[@]}"; do
         read -r -a vr <<<"${P[$target.rps]}"; read -r -a v50 <<<"${P[$target.p50]}"; read -r -a v99 <<<"${P[$target.p99]}"
-        a50=(); a99=()
-        for i in "${!v50[@]}"; do
-            a50+=("$(awk -v a="${v50[$i]}" -v b="${d50[$i]}" 'BEGIN{print a-b}')")
-            a99+=("$(awk -v a="${v99[$i]}" -v b="${d99[$i]}" 'BEGIN{print a-b}')")
-        done
+        read -r -a a50 <<<"$(over "${P[$target.p50]}" "${P[direct.p50]}")"
+        read -r -a a99 <<<"$(over "${P[$target.p99]}" "${P[direct.p99]}")"
         echo "| $target | $PIN_PASSES × ${PASS_SECS} s | $(median_range %.0f "${vr[@]}") | $(median_range %.3f "${v50[@]}") | $(median_range %.3f "${v99[@]}") | $(median_range %.3f "${a50[@]}") | $(median_range %.3f "${a99[@]}") | ${P[$target.err]} |" >>"$WORK/pinned.md"
     done
 }
@@ -308,14 +312,10 @@ for r in $(seq 1 "$TTFB_PASSES"); do
         T[$target.p50]="${T[$target.p50]:-} $p50"; T[$target.p99]="${T[$target.p99]:-} $p99"
     done
 done
-read -r -a dp50 <<<"${T[direct.p50]}"; read -r -a dp99 <<<"${T[direct.p99]}"
 for target in "${targets[@]}"; do
     read -r -a p50 <<<"${T[$target.p50]}"; read -r -a p99 <<<"${T[$target.p99]}"
-    a50=(); a99=()
-    for i in "${!p50[@]}"; do
-        a50+=("$(awk -v a="${p50[$i]}" -v b="${dp50[$i]}" 'BEGIN{print a-b}')")
-        a99+=("$(awk -v a="${p99[$i]}" -v b="${dp99[$i]}" 'BEGIN{print a-b}')")
-    done
+    read -r -a a50 <<<"$(over "${T[$target.p50]}" "${T[direct.p50]}")"
+    read -r -a a99 <<<"$(over "${T[$target.p99]}" "${T[direct.p99]}")"
     echo "| $target | ${T[$target.n]} | ${T[$target.complete]} | $(median_range %.3f "${p50[@]}") | $(median_range %.3f "${p99[@]}") | $(median_range %.3f "${a50[@]}") | $(median_range %.3f "${a99[@]}") |"
 done
 unset T

@@ -276,6 +276,8 @@ fn parsed_body(body: &[u8], text: Option<&str>) -> Result<BodyInfo, BodyError> {
 /// (which then gives its own answer or error): whatever it reads, the parser reads the
 /// same from the same body.
 mod quick {
+    use std::ops::Range;
+
     use super::{BodyInfo, LIMIT_NAMES};
 
     /// Nesting past this is left to the parser (which skips the members it does not
@@ -295,60 +297,36 @@ mod quick {
             limits: [None; 4],
         };
         let mut seen = [false; 4];
-        let mut i = ws(body, 0);
-        if body.get(i) != Some(&b'{') {
+        let start = ws(body, 0);
+        if body.get(start) != Some(&b'{') {
             return None;
         }
-        i = ws(body, i + 1);
-        if body.get(i) == Some(&b'}') {
-            return (ws(body, i + 1) == body.len()).then_some(quick);
-        }
-        loop {
-            if body.get(i) != Some(&b'"') {
-                return None;
-            }
-            let (end, escapes) = string(body, i)?;
+        let mut member = |key: &[u8], escapes: bool, value: Range<usize>| {
+            // The parser compares names unescaped.
             if escapes {
                 return None;
             }
-            let key = &body[i + 1..end - 1];
-            i = ws(body, end);
-            if body.get(i) != Some(&b':') {
-                return None;
-            }
-            let start = ws(body, i + 1);
             if key == b"model" {
                 // A second `model` is the parser's error; an escape or another type, its
                 // reading or error.
-                if quick.model.is_some() || body.get(start) != Some(&b'"') {
-                    return None;
-                }
-                let (end, escapes) = string(body, start)?;
-                if escapes {
+                let raw = &body[value.clone()];
+                if quick.model.is_some() || raw.first() != Some(&b'"') || raw.contains(&b'\\') {
                     return None;
                 }
                 // Between quotes (ASCII), so on character boundaries.
-                quick.model = Some(text.get(start + 1..end - 1)?.to_owned());
-                quick.model_span = Some((start, end));
-                i = end;
-            } else {
-                i = value(body, start, 1)?;
-                if let Some(k) = LIMIT_NAMES.iter().position(|n| n.as_bytes() == key) {
-                    // The first of duplicates counts; a number only when it is all
-                    // digits.
-                    if !seen[k] {
-                        seen[k] = true;
-                        quick.limits[k] = text.get(start..i)?.parse().ok();
-                    }
+                quick.model = Some(text.get(value.start + 1..value.end - 1)?.to_owned());
+                quick.model_span = Some((value.start, value.end));
+            } else if let Some(k) = LIMIT_NAMES.iter().position(|n| n.as_bytes() == key) {
+                // The first of duplicates counts; a number only when it is all digits.
+                if !seen[k] {
+                    seen[k] = true;
+                    quick.limits[k] = text.get(value)?.parse().ok();
                 }
             }
-            i = ws(body, i);
-            match body.get(i)? {
-                b',' => i = ws(body, i + 1),
-                b'}' => return (ws(body, i + 1) == body.len()).then_some(quick),
-                _ => return None,
-            }
-        }
+            Some(())
+        };
+        let end = container(body, start, 1, b'}', Some(&mut member))?;
+        (ws(body, end) == body.len()).then_some(quick)
     }
 
     /// Past the JSON whitespace from `i`.
@@ -359,12 +337,17 @@ mod quick {
         i
     }
 
+    /// What [`container`] tells of each member of an object: its name (without its
+    /// quotes), whether the name has escapes, and where its value lies. `None` stops the
+    /// pass.
+    type Member<'a> = &'a mut dyn FnMut(&[u8], bool, Range<usize>) -> Option<()>;
+
     /// Past the value at `i`, `depth` containers deep; `None` when it is not valid JSON.
     fn value(b: &[u8], i: usize, depth: usize) -> Option<usize> {
         match *b.get(i)? {
             b'"' => string(b, i).map(|(end, _)| end),
-            b'{' => container(b, i, depth + 1, b'}'),
-            b'[' => container(b, i, depth + 1, b']'),
+            b'{' => container(b, i, depth + 1, b'}', None),
+            b'[' => container(b, i, depth + 1, b']', None),
             b't' => literal(b, i, b"true"),
             b'f' => literal(b, i, b"false"),
             b'n' => literal(b, i, b"null"),
@@ -373,8 +356,15 @@ mod quick {
         }
     }
 
-    /// Past the object (`close` `}`) or array (`]`) at `i`.
-    fn container(b: &[u8], i: usize, depth: usize, close: u8) -> Option<usize> {
+    /// Past the object (`close` `}`, each member told to `member` when there is one) or
+    /// array (`]`) at `i`.
+    fn container(
+        b: &[u8],
+        i: usize,
+        depth: usize,
+        close: u8,
+        mut member: Option<Member<'_>>,
+    ) -> Option<usize> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -387,13 +377,21 @@ mod quick {
                 if b.get(i) != Some(&b'"') {
                     return None;
                 }
-                i = ws(b, string(b, i)?.0);
+                let (end, escapes) = string(b, i)?;
+                let key = i + 1..end - 1;
+                i = ws(b, end);
                 if b.get(i) != Some(&b':') {
                     return None;
                 }
-                i = ws(b, i + 1);
+                let start = ws(b, i + 1);
+                i = value(b, start, depth)?;
+                if let Some(member) = member.as_mut() {
+                    member(&b[key], escapes, start..i)?;
+                }
+            } else {
+                i = value(b, i, depth)?;
             }
-            i = ws(b, value(b, i, depth)?);
+            i = ws(b, i);
             match *b.get(i)? {
                 b',' => i = ws(b, i + 1),
                 c if c == close => return Some(i + 1),

@@ -861,7 +861,7 @@ pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'stati
 
 /// A non-empty run of ASCII digits as a number (`None` for anything else or past
 /// `u64::MAX`), read from the bytes without a UTF-8 check or a string parse.
-fn decimal(digits: &[u8]) -> Option<u64> {
+pub(crate) fn decimal(digits: &[u8]) -> Option<u64> {
     if digits.is_empty() {
         return None;
     }

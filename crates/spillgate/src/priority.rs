@@ -399,12 +399,7 @@ fn plain_count(rest: &[u8]) -> Option<Option<u64>> {
         0 => (None, rest.strip_prefix(b"null")?),
         // A leading zero: not JSON.
         2.. if rest[0] == b'0' => return None,
-        _ => {
-            let n = rest[..digits].iter().try_fold(0u64, |n, &b| {
-                n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-            })?;
-            (Some(n), &rest[digits..])
-        }
+        _ => (Some(crate::h1::decimal(&rest[..digits])?), &rest[digits..]),
     };
     after
         .first()
