@@ -1270,14 +1270,22 @@ fn limit(
 /// A name that is safe to put in a URL path segment: Azure deployment names and model
 /// names use letters, digits, `-`, `_`, `.` and `:` (fine-tuned model ids).
 pub fn is_safe_name(name: &str) -> bool {
-    !name.is_empty()
-        && name != "."
-        && name != ".."
+    !matches!(name, "" | "." | "..")
         && name.len() <= 256
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+        && name.bytes().all(|b| NAME_BYTES[usize::from(b)])
 }
+
+/// The bytes [`is_safe_name`] allows: letters, digits, `-`, `_`, `.` and `:`.
+pub(crate) const NAME_BYTES: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.' | b':');
+        b += 1;
+    }
+    table
+};
 
 fn validate_url(kind: BackendKind, raw: &str, path: &str, errors: &mut Errors) -> Arc<str> {
     let parsed = match url::Url::parse(raw) {

@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::config::{is_safe_name, AzureApi, BackendKind};
+use crate::config::{is_safe_name, AzureApi, BackendKind, NAME_BYTES};
 
 /// The shape of a client request, from its path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,8 +48,34 @@ pub enum ApiRoute<'a> {
 /// Operation paths are relative paths of safe segments (`chat/completions`,
 /// `audio/transcriptions`); `..`, empty segments and odd characters are refused so the
 /// upstream path cannot be steered.
+///
+/// One pass over the bytes with a table of the bytes a name may hold: splitting the
+/// `str` on `'/'` searched for each separator with `memchr`, about 490 instructions for
+/// `chat/completions` on every request. A test holds it to the segment-by-segment
+/// definition.
 fn is_safe_operation(op: &str) -> bool {
-    !op.is_empty() && op.len() <= 256 && op.split('/').all(is_safe_name)
+    let bytes = op.as_bytes();
+    if bytes.len() > 256 {
+        return false;
+    }
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if b == b'/' {
+            if !is_safe_segment(&bytes[start..i]) {
+                return false;
+            }
+            start = i + 1;
+        } else if !NAME_BYTES[usize::from(b)] {
+            return false;
+        }
+    }
+    is_safe_segment(&bytes[start..])
+}
+
+/// Whether a segment whose bytes are all [`NAME_BYTES`] is a name: neither empty nor a
+/// dot segment.
+fn is_safe_segment(segment: &[u8]) -> bool {
+    !matches!(segment, b"" | b"." | b"..")
 }
 
 /// Classifies a request path (without the query string).
@@ -268,6 +294,13 @@ fn parsed_body(body: &[u8], text: Option<&str>) -> Result<BodyInfo, BodyError> {
         is_object: true,
         limits: probe.limits,
     })
+}
+
+/// Where the text of a JSON string (what follows its opening quote) first needs a look:
+/// its first quote, backslash or control byte, found eight bytes at a time. A quote
+/// there ends a string without escapes.
+pub fn string_stop(text: &[u8]) -> Option<usize> {
+    quick::stop(text)
 }
 
 /// The usual request body read in one pass without the parser, for [`inspect_body`]: a
@@ -1037,6 +1070,36 @@ mod tests {
     }
 
     proptest! {
+        /// The one-pass operation check agrees with checking each `/`-separated segment
+        /// as a name; and the name check with its definition.
+        #[test]
+        fn the_operation_check_is_the_segment_by_segment_one(
+            op in prop_oneof![
+                "[a-z/.:_-]{0,12}",
+                prop::collection::vec(
+                    prop::sample::select(vec!["", ".", "..", "...", "a", "chat", "a.b", "x:y", "%2e", "\u{e9}"]),
+                    1..5,
+                )
+                .prop_map(|s| s.join("/")),
+                prop::collection::vec(any::<char>(), 0..8)
+                    .prop_map(|c| c.into_iter().collect::<String>()),
+                "[a-z]{250,260}",
+                "[a-z]{1,3}/[a-z]{250,256}",
+            ],
+        ) {
+            // Written out here, not with the table both checks use.
+            let name = |s: &str| {
+                !matches!(s, "" | "." | "..")
+                    && s.len() <= 256
+                    && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+            };
+            for segment in op.split('/') {
+                prop_assert_eq!(is_safe_name(segment), name(segment), "{:?}", segment);
+            }
+            let by_segments = op.len() <= 256 && op.split('/').all(name);
+            prop_assert_eq!(is_safe_operation(&op), by_segments, "{:?}", op);
+        }
+
         /// The word-at-a-time search finds what a byte-by-byte one finds.
         #[test]
         fn the_string_scan_stops_where_a_byte_scan_stops(
