@@ -358,119 +358,128 @@ pub async fn serve<S, B>(
         timer
             .as_mut()
             .reset(tokio::time::Instant::now() + limits.header_timeout);
-        let next = poll_fn(|cx| {
-            if stop_signal.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Next::End);
-            }
-            let mut input = lock(&shared);
-            loop {
-                if input.may_hold_head() || input.buf.len() > limits.max_head {
-                    match parse_head(&mut input.buf, &limits) {
-                        Ok(Some((head, seen))) => {
-                            // The buffer now starts after it: searched from its start.
-                            input.scanned = 0;
-                            return Poll::Ready(Next::Head(head, seen));
-                        }
-                        Ok(None) => {}
-                        Err(e) => return Poll::Ready(Next::Refused(e)),
-                    }
-                }
-                match input.poll_fill(cx) {
-                    Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(Next::End),
-                    Poll::Ready(Ok(_)) => {}
-                    Poll::Pending => break,
-                }
-            }
-            if timer.as_mut().poll(cx).is_pending() {
-                return Poll::Pending;
-            }
-            // Part of a head and no more: told so. An idle connection (or one that sent
-            // only the empty lines a client may send between requests) just closes.
-            Poll::Ready(if input.buf.iter().all(|b| matches!(b, b'\r' | b'\n')) {
-                Next::End
-            } else {
-                Next::Refused(GatewayError::new(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "invalid_request_error",
-                    "request_head_timeout",
-                    format!(
-                        "The request head did not arrive within {} ms (timeouts.client_header).",
-                        limits.header_timeout.as_millis()
-                    ),
-                ))
-            })
-        })
-        .await;
-        let (mut head, seen) = match next {
-            Next::Head(head, seen) => (head, seen),
-            Next::End => return,
-            Next::Refused(e) => {
-                return refuse(out, &shared, e, (&Method::GET, Version::HTTP_11)).await
-            }
-        };
-        let version = head.version();
-        let method = head.method().clone();
-        let (framing, keep_alive) = match request_framing(version, head.headers_mut(), seen) {
-            Ok(f) => f,
-            Err(e) => return refuse(out, &shared, e, (&method, version)).await,
-        };
-        let hint = framing.size_hint();
-        let expects_continue = version == Version::HTTP_11
-            && seen.expect
-            && head
-                .headers()
-                .get(header::EXPECT)
-                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        {
-            let mut input = lock(&shared);
-            input.body = framing;
-            let waits = expects_continue && framing != Framing::Done && input.buf.is_empty();
-            input.expect = if waits {
-                Continue::Wanted
-            } else {
-                Continue::No
-            };
-        }
-        let body = RequestBody {
-            input: (framing != Framing::Done).then(|| Arc::clone(&shared)),
-            hint,
-        };
-        let req = head.map(|()| body);
-        let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
-        let answered = {
-            // Dropped once it has answered: it is done, and a response that streams for
-            // minutes would keep its memory.
-            let mut call = std::pin::pin!(service.call(req));
-            let mut continued = 0;
-            poll_fn(|cx| loop {
-                if let Poll::Ready(Ok(resp)) = call.as_mut().poll(cx) {
-                    return Poll::Ready(Some(resp));
+        // What the response needs, out of a block: a local the block ends (the request's
+        // head, the parse's result) takes no room in the connection's future while the
+        // response streams, which may be minutes (a connection's future is about 2.4 KB
+        // with them, 1.5 KB without). The refusals are boxed for the same reason: rare,
+        // and their future was the largest of all.
+        let (resp, method, version, keep_alive) = {
+            let next = poll_fn(|cx| {
+                if stop_signal.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Next::End);
                 }
                 let mut input = lock(&shared);
-                if input.expect == Continue::Due {
-                    match Pin::new(&mut out.io).poll_write(cx, &CONTINUE[continued..]) {
-                        Poll::Ready(Ok(n)) if n > 0 => {
-                            continued += n;
-                            if continued == CONTINUE.len() {
-                                // Sent: the body reads from now on.
-                                input.expect = Continue::No;
+                loop {
+                    if input.may_hold_head() || input.buf.len() > limits.max_head {
+                        match parse_head(&mut input.buf, &limits) {
+                            Ok(Some((head, seen))) => {
+                                // The buffer now starts after it: searched from its start.
+                                input.scanned = 0;
+                                return Poll::Ready(Next::Head(head, seen));
                             }
-                            continue;
+                            Ok(None) => {}
+                            Err(e) => return Poll::Ready(Next::Refused(e)),
                         }
-                        Poll::Ready(_) => return Poll::Ready(None),
-                        Poll::Pending => return Poll::Pending,
+                    }
+                    match input.poll_fill(cx) {
+                        Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(Next::End),
+                        Poll::Ready(Ok(_)) => {}
+                        Poll::Pending => break,
                     }
                 }
-                if input.poll_gone(cx) {
-                    return Poll::Ready(None);
+                if timer.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
                 }
-                return Poll::Pending;
+                // Part of a head and no more: told so. An idle connection (or one that sent
+                // only the empty lines a client may send between requests) just closes.
+                Poll::Ready(if input.buf.iter().all(|b| matches!(b, b'\r' | b'\n')) {
+                    Next::End
+                } else {
+                    Next::Refused(GatewayError::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "invalid_request_error",
+                        "request_head_timeout",
+                        format!(
+                            "The request head did not arrive within {} ms (timeouts.client_header).",
+                            limits.header_timeout.as_millis()
+                        ),
+                    ))
+                })
             })
-            .await
-        };
-        // Gone: the request in flight is dropped with the connection.
-        let Some(resp) = answered else {
-            return;
+            .await;
+            let (mut head, seen) = match next {
+                Next::Head(head, seen) => (head, seen),
+                Next::End => return,
+                Next::Refused(e) => {
+                    return Box::pin(refuse(out, &shared, e, (&Method::GET, Version::HTTP_11)))
+                        .await
+                }
+            };
+            let version = head.version();
+            let method = head.method().clone();
+            let (framing, keep_alive) = match request_framing(version, head.headers_mut(), seen) {
+                Ok(f) => f,
+                Err(e) => return Box::pin(refuse(out, &shared, e, (&method, version))).await,
+            };
+            let hint = framing.size_hint();
+            let expects_continue = version == Version::HTTP_11
+                && seen.expect
+                && head
+                    .headers()
+                    .get(header::EXPECT)
+                    .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+            {
+                let mut input = lock(&shared);
+                input.body = framing;
+                let waits = expects_continue && framing != Framing::Done && input.buf.is_empty();
+                input.expect = if waits {
+                    Continue::Wanted
+                } else {
+                    Continue::No
+                };
+            }
+            let body = RequestBody {
+                input: (framing != Framing::Done).then(|| Arc::clone(&shared)),
+                hint,
+            };
+            let req = head.map(|()| body);
+            let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
+            let answered = {
+                // Dropped once it has answered: it is done, and a response that streams for
+                // minutes would keep its memory.
+                let mut call = std::pin::pin!(service.call(req));
+                let mut continued = 0;
+                poll_fn(|cx| loop {
+                    if let Poll::Ready(Ok(resp)) = call.as_mut().poll(cx) {
+                        return Poll::Ready(Some(resp));
+                    }
+                    let mut input = lock(&shared);
+                    if input.expect == Continue::Due {
+                        match Pin::new(&mut out.io).poll_write(cx, &CONTINUE[continued..]) {
+                            Poll::Ready(Ok(n)) if n > 0 => {
+                                continued += n;
+                                if continued == CONTINUE.len() {
+                                    // Sent: the body reads from now on.
+                                    input.expect = Continue::No;
+                                }
+                                continue;
+                            }
+                            Poll::Ready(_) => return Poll::Ready(None),
+                            Poll::Pending => return Poll::Pending,
+                        }
+                    }
+                    if input.poll_gone(cx) {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Pending;
+                })
+                .await
+            };
+            // Gone: the request in flight is dropped with the connection.
+            let Some(resp) = answered else {
+                return;
+            };
+            (resp, method, version, keep_alive)
         };
         let keep_alive = keep_alive && !*stopped.borrow();
         match respond(&mut out, &shared, resp, (&method, version), keep_alive).await {
@@ -543,15 +552,20 @@ enum Event<F> {
 
 /// Writes `resp` (to a request with `method` and `version`), and says whether the
 /// connection can carry another request: `keep_alive` is what the request allowed.
-async fn respond<B>(
-    out: &mut Out,
-    shared: &Shared,
+///
+/// The head is encoded before the future is made, which holds only what writing the body
+/// needs: a response streams for as long as its body does (minutes for a long
+/// completion), and an `async fn` would keep its arguments (the response's parts) and
+/// every local in the connection's future all that time.
+fn respond<'a, B>(
+    out: &'a mut Out,
+    shared: &'a Shared,
     resp: http::Response<B>,
     (method, version): (&Method, Version),
     keep_alive: bool,
-) -> Result<bool, WriteError>
+) -> impl Future<Output = Result<bool, WriteError>> + 'a
 where
-    B: http_body::Body<Data = Bytes> + Unpin,
+    B: http_body::Body<Data = Bytes> + Unpin + 'a,
     B::Error: std::fmt::Display,
 {
     let (mut parts, mut body) = resp.into_parts();
@@ -604,91 +618,93 @@ where
     let chunked = matches!(framing, Framing::Chunked(_));
     encode_head(&mut head, &parts, length, chunked, &mut reusable, version);
     drop(parts);
-    if framing == Framing::Done {
-        write_all(out, &mut [IoSlice::new(&head)]).await?;
-        return Ok(reusable);
-    }
-    // Sent with the first data, or alone when the body has none ready.
-    let mut head = Some(head);
-    loop {
-        let event = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
-            Poll::Ready(f) => Poll::Ready(Event::Frame(f)),
-            Poll::Pending if head.is_some() => Poll::Ready(Event::Idle),
-            Poll::Pending if lock(shared).poll_gone(cx) => Poll::Ready(Event::Gone),
-            Poll::Pending => Poll::Pending,
-        })
-        .await;
-        let head_bytes = head.take();
-        let head_slice = head_bytes.as_deref().unwrap_or_default();
-        let data = match event {
-            Event::Idle => {
-                write_all(out, &mut [IoSlice::new(head_slice)]).await?;
-                continue;
-            }
-            Event::Gone => return Err(WriteError::Gone),
-            Event::Frame(Some(Err(e))) => return Err(WriteError::Body(e.to_string())),
-            Event::Frame(Some(Ok(frame))) => match frame.into_data() {
-                Ok(data) => data,
-                // Trailers are not sent.
-                Err(_) => Bytes::new(),
-            },
-            Event::Frame(None) => {
-                // The end: the last chunk of a chunked body; a sized body must be whole.
-                let end: &[u8] = match framing {
-                    Framing::Chunked(_) => b"0\r\n\r\n",
-                    Framing::Length(n) if n > 0 => {
-                        write_all(out, &mut [IoSlice::new(head_slice)]).await?;
+    async move {
+        if framing == Framing::Done {
+            write_all(out, &mut [IoSlice::new(&head)]).await?;
+            return Ok(reusable);
+        }
+        // Sent with the first data, or alone when the body has none ready.
+        let mut head = Some(head);
+        loop {
+            let event = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
+                Poll::Ready(f) => Poll::Ready(Event::Frame(f)),
+                Poll::Pending if head.is_some() => Poll::Ready(Event::Idle),
+                Poll::Pending if lock(shared).poll_gone(cx) => Poll::Ready(Event::Gone),
+                Poll::Pending => Poll::Pending,
+            })
+            .await;
+            let head_bytes = head.take();
+            let head_slice = head_bytes.as_deref().unwrap_or_default();
+            let data = match event {
+                Event::Idle => {
+                    write_all(out, &mut [IoSlice::new(head_slice)]).await?;
+                    continue;
+                }
+                Event::Gone => return Err(WriteError::Gone),
+                Event::Frame(Some(Err(e))) => return Err(WriteError::Body(e.to_string())),
+                Event::Frame(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => data,
+                    // Trailers are not sent.
+                    Err(_) => Bytes::new(),
+                },
+                Event::Frame(None) => {
+                    // The end: the last chunk of a chunked body; a sized body must be whole.
+                    let end: &[u8] = match framing {
+                        Framing::Chunked(_) => b"0\r\n\r\n",
+                        Framing::Length(n) if n > 0 => {
+                            write_all(out, &mut [IoSlice::new(head_slice)]).await?;
+                            return Err(WriteError::Length);
+                        }
+                        _ => b"",
+                    };
+                    write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(end)]).await?;
+                    return Ok(reusable);
+                }
+            };
+            let ends = body.is_end_stream();
+            match &mut framing {
+                Framing::Length(left) => {
+                    if data.len() as u64 > *left {
                         return Err(WriteError::Length);
                     }
-                    _ => b"",
-                };
-                write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(end)]).await?;
-                return Ok(reusable);
-            }
-        };
-        let ends = body.is_end_stream();
-        match &mut framing {
-            Framing::Length(left) => {
-                if data.len() as u64 > *left {
-                    return Err(WriteError::Length);
+                    *left -= data.len() as u64;
+                    write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(&data)]).await?;
+                    if *left == 0 {
+                        // Whatever the body still has (trailers) is not sent.
+                        return Ok(reusable);
+                    }
+                    if ends {
+                        return Err(WriteError::Length);
+                    }
                 }
-                *left -= data.len() as u64;
-                write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(&data)]).await?;
-                if *left == 0 {
-                    // Whatever the body still has (trailers) is not sent.
-                    return Ok(reusable);
+                Framing::Chunked(_) => {
+                    let mut size = [0u8; 20];
+                    let size = chunk_line(&mut size, data.len());
+                    let (line, tail): (&[u8], &[u8]) = match (data.is_empty(), ends) {
+                        (true, false) => (b"", b""),
+                        (true, true) => (b"", b"0\r\n\r\n"),
+                        (false, false) => (size, b"\r\n"),
+                        (false, true) => (size, b"\r\n0\r\n\r\n"),
+                    };
+                    write_all(
+                        out,
+                        &mut [
+                            IoSlice::new(head_slice),
+                            IoSlice::new(line),
+                            IoSlice::new(&data),
+                            IoSlice::new(tail),
+                        ],
+                    )
+                    .await?;
+                    if ends {
+                        return Ok(reusable);
+                    }
                 }
-                if ends {
-                    return Err(WriteError::Length);
-                }
-            }
-            Framing::Chunked(_) => {
-                let mut size = [0u8; 20];
-                let size = chunk_line(&mut size, data.len());
-                let (line, tail): (&[u8], &[u8]) = match (data.is_empty(), ends) {
-                    (true, false) => (b"", b""),
-                    (true, true) => (b"", b"0\r\n\r\n"),
-                    (false, false) => (size, b"\r\n"),
-                    (false, true) => (size, b"\r\n0\r\n\r\n"),
-                };
-                write_all(
-                    out,
-                    &mut [
-                        IoSlice::new(head_slice),
-                        IoSlice::new(line),
-                        IoSlice::new(&data),
-                        IoSlice::new(tail),
-                    ],
-                )
-                .await?;
-                if ends {
-                    return Ok(reusable);
-                }
-            }
-            _ => {
-                write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(&data)]).await?;
-                if ends {
-                    return Ok(reusable);
+                _ => {
+                    write_all(out, &mut [IoSlice::new(head_slice), IoSlice::new(&data)]).await?;
+                    if ends {
+                        return Ok(reusable);
+                    }
                 }
             }
         }
