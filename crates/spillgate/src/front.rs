@@ -360,9 +360,9 @@ pub async fn serve<S, B>(
             .reset(tokio::time::Instant::now() + limits.header_timeout);
         // What the response needs, out of a block: a local the block ends (the request's
         // head, the parse's result) takes no room in the connection's future while the
-        // response streams, which may be minutes (a connection's future is about 2.4 KB
-        // with them, 1.5 KB without). The refusals are boxed for the same reason: rare,
-        // and their future was the largest of all.
+        // response streams, which may be minutes. The refusals are boxed for the same
+        // reason: rare, and their future was the largest state of all. With `respond`'s
+        // own trim, the future went from 2.4 to 1.6 KB (`-Zprint-type-sizes`).
         let (resp, method, version, keep_alive) = {
             let next = poll_fn(|cx| {
                 if stop_signal.as_mut().poll(cx).is_ready() {

@@ -484,15 +484,8 @@ fn compact_counts(json: &[u8], mut i: usize) -> Option<usize> {
 /// no leading zero, no fraction or exponent, within `u64`); `None` for anything else.
 fn plain_count(rest: &[u8]) -> Option<Option<u64>> {
     let rest = json_trim_start(rest);
-    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-    let (n, after) = match digits {
-        0 => (None, rest.strip_prefix(b"null")?),
-        // A leading zero: not JSON.
-        2.. if rest[0] == b'0' => return None,
-        _ => (Some(crate::h1::decimal(&rest[..digits])?), &rest[digits..]),
-    };
-    after
-        .first()
+    let (n, end) = compact_count(rest, 0)?;
+    rest.get(end)
         .is_some_and(|&b| b == b',' || b == b'}' || is_json_space(b))
         .then_some(n)
 }
@@ -1300,7 +1293,7 @@ mod tests {
         /// The compact reading reads what the member scan reads, where it reads; and it
         /// reads every compact object of counts and objects of counts.
         #[test]
-        fn the_compact_usage_reading_is_the_scan_s(
+        fn the_compact_reading_agrees_with_the_member_scan(
             members in proptest::collection::vec(proptest::prop_oneof![
                 6 => (0usize..5, usage_count()).prop_map(|(i, v)| {
                     (format!("\"{}\":{}", std::str::from_utf8(USAGE_COUNTS[i]).unwrap(), v.0), v.1, Some(i))
