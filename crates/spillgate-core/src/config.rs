@@ -1270,9 +1270,15 @@ fn limit(
 /// A name that is safe to put in a URL path segment: Azure deployment names and model
 /// names use letters, digits, `-`, `_`, `.` and `:` (fine-tuned model ids).
 pub fn is_safe_name(name: &str) -> bool {
-    !matches!(name, "" | "." | "..")
+    is_proper_segment(name.as_bytes())
         && name.len() <= 256
         && name.bytes().all(|b| NAME_BYTES[usize::from(b)])
+}
+
+/// Whether a path segment is neither empty nor a dot segment (`.`, `..`), which a URL
+/// path would resolve.
+pub(crate) fn is_proper_segment(segment: &[u8]) -> bool {
+    !matches!(segment, b"" | b"." | b"..")
 }
 
 /// The bytes [`is_safe_name`] allows: letters, digits, `-`, `_`, `.` and `:`.

@@ -293,10 +293,7 @@ pub enum Event {
 
 /// A name as it may appear in an event: what the config and request checks allow.
 fn valid_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 256
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+    !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| crate::config::NAME_BYTES[usize::from(b)])
 }
 
 /// `{kind} {origin} {backend} {deployment or *} [{value}]`: space-separated, since no

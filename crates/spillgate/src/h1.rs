@@ -593,6 +593,31 @@ impl Seen {
             _ => {}
         }
     }
+
+    /// Whether the head's `Connection` lists `token`: looked up only when it has one.
+    pub(crate) fn connection_has(self, headers: &HeaderMap, token: &str) -> bool {
+        self.connection && connection_has(headers, token)
+    }
+
+    /// The head's `Content-Length` (see [`content_length`]): looked up only when it has
+    /// one.
+    pub(crate) fn content_length(self, headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
+        if self.content_length {
+            content_length(headers)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// The last `Transfer-Encoding` value's last coding is `chunked`.
+    pub(crate) fn chunked(self, headers: &HeaderMap) -> bool {
+        self.transfer_encoding
+            && headers
+                .get_all(header::TRANSFER_ENCODING)
+                .iter()
+                .next_back()
+                .is_some_and(|v| last_token_is(v, "chunked"))
+    }
 }
 
 /// The headers at `spans` of `head`, with room for `extra` more (their values share its
@@ -695,7 +720,7 @@ const COMMON_NAME_SLOTS: [u8; NAME_SLOTS] = {
 };
 
 /// Where `name` is in [`COMMON_NAMES`] (at compile time; past its end when it is not
-/// there, which the assertion below refuses).
+/// there, which the assertion below refuses: the project does not `panic!`).
 const fn common_at(name: &str) -> usize {
     let mut i = 0;
     while i < COMMON_NAME_TEXTS.len() {
@@ -807,14 +832,12 @@ fn framing(
     headers: &mut HeaderMap,
     seen: Seen,
 ) -> Result<(Framing, bool), Error> {
-    let mut keep_alive =
-        version == Version::HTTP_11 && !(seen.connection && connection_has(headers, "close"));
+    let mut keep_alive = version == Version::HTTP_11 && !seen.connection_has(headers, "close");
     if is_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Done, keep_alive));
     }
     if seen.transfer_encoding {
-        let mut te = headers.get_all(header::TRANSFER_ENCODING).iter();
-        let chunked = te.next_back().is_some_and(|v| last_token_is(v, "chunked"));
+        let chunked = seen.chunked(headers);
         // With a Content-Length too, the message is suspect: not reused.
         keep_alive &= headers.remove(header::CONTENT_LENGTH).is_none();
         return Ok(if chunked {
@@ -823,11 +846,9 @@ fn framing(
             (Framing::Close, false)
         });
     }
-    let length = if seen.content_length {
-        content_length(headers).map_err(|why| Error::new(format!("{why} in the response")))?
-    } else {
-        None
-    };
+    let length = seen
+        .content_length(headers)
+        .map_err(|why| Error::new(format!("{why} in the response")))?;
     Ok(match length {
         Some(0) => (Framing::Done, keep_alive),
         Some(n) => (Framing::Length(n), keep_alive),

@@ -57,8 +57,9 @@ pub(crate) const ADDED_RESPONSE_HEADERS: usize = 4;
 pub(crate) const ADDED_REQUEST_HEADERS: usize = 2;
 const HEADER_UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
-/// Connection-scoped headers (RFC 9110 §7.6.1) that a proxy must not forward.
-const HOP_BY_HOP: [&str; 8] = [
+/// Connection-scoped headers (RFC 9110 §7.6.1) that a proxy must not forward, hop-by-hop
+/// by themselves; the names a `Connection` header lists are too (see [`unwanted_names`]).
+const HOP_BY_HOP: [&str; 9] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -67,14 +68,8 @@ const HOP_BY_HOP: [&str; 8] = [
     "te",
     "trailer",
     "transfer-encoding",
+    "upgrade",
 ];
-
-/// Whether `name` is hop-by-hop by itself: one of [`HOP_BY_HOP`] or `upgrade`. The names
-/// a `Connection` header lists are too (see [`unwanted_names`]).
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    let n = name.as_str();
-    HOP_BY_HOP.contains(&n) || n == "upgrade"
-}
 
 /// The names of `headers` that are hop-by-hop or `unwanted`. The `Connection` values are
 /// looked up (which hashes the name) only when a name in the map says there are some:
@@ -88,7 +83,7 @@ fn unwanted_names(
         .keys()
         .filter(|name| {
             connection |= *name == header::CONNECTION;
-            is_hop_by_hop(name) || unwanted(name.as_str())
+            HOP_BY_HOP.contains(&name.as_str()) || unwanted(name.as_str())
         })
         .cloned()
         .collect();
