@@ -23,9 +23,9 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use spillgate::sim::{SimLimits, SimUpstream};
-use spillgate::upstream::Upstream;
+use spillgate::upstream::{Upstream, UpstreamRequest};
 use tokio::time::Instant;
 use tower::ServiceExt;
 
@@ -112,20 +112,22 @@ async fn drive(seconds: u64, send: Sender) -> Vec<Sec> {
     r
 }
 
-fn request_to(backend: &str, body: Bytes) -> http::Request<Full<Bytes>> {
+fn request_to(backend: &str, body: Bytes) -> http::Request<Bytes> {
     http::Request::post(format!(
         "http://{backend}/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21"
     ))
     .header("api-key", "k")
-    .body(Full::new(body))
+    .body(body)
     .unwrap()
 }
 
 async fn status_of(sim: &SimUpstream, backend: &str, body: Bytes) -> u16 {
-    match sim
-        .send(request_to(backend, body), Duration::from_secs(60))
-        .await
-    {
+    let req = request_to(backend, body);
+    let sent = match UpstreamRequest::of(&req) {
+        Ok(req) => sim.send(req, Duration::from_secs(60)).await,
+        Err(e) => Err(e),
+    };
+    match sent {
         Ok(r) => {
             let s = r.status().as_u16();
             let _ = r.into_body().collect().await;

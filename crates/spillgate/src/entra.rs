@@ -44,13 +44,13 @@ use azure_core::http::{AsyncRawResponse, ClientOptions, HttpClient, RetryOptions
 use azure_identity::Executor;
 use futures_util::FutureExt;
 use http::HeaderValue;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use spillgate_core::config::{EntraAuth, EntraCredential, ManagedIdentityId, Secret};
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use crate::lock;
-use crate::upstream::{AttemptError, Upstream};
+use crate::upstream::{AttemptError, Upstream, UpstreamRequest};
 
 /// Tokens are renewed this long before they expire (when they live long enough).
 pub const REFRESH_AHEAD: Duration = Duration::from_secs(300);
@@ -1052,19 +1052,19 @@ impl HttpClient for IdentityTransport {
             }
         }
         let req = builder
-            .body(Full::new(body))
+            .body(body)
             .map_err(|e| sdk_error(ErrorKind::Other, e.to_string()))?;
-        let resp = self
-            .upstream
-            .send(req, IDENTITY_REQUEST_TIMEOUT)
-            .await
-            .map_err(|e| {
-                let kind = match e {
-                    AttemptError::Connect(_) => ErrorKind::Connection,
-                    _ => ErrorKind::Io,
-                };
-                sdk_error(kind, format!("request to {origin} failed: {e}"))
-            })?;
+        let sent = match UpstreamRequest::of(&req) {
+            Ok(req) => self.upstream.send(req, IDENTITY_REQUEST_TIMEOUT).await,
+            Err(e) => Err(e),
+        };
+        let resp = sent.map_err(|e| {
+            let kind = match e {
+                AttemptError::Connect(_) => ErrorKind::Connection,
+                _ => ErrorKind::Io,
+            };
+            sdk_error(kind, format!("request to {origin} failed: {e}"))
+        })?;
         let (parts, body) = resp.into_parts();
         let bytes = tokio::time::timeout(
             IDENTITY_REQUEST_TIMEOUT,
@@ -1096,7 +1096,6 @@ impl HttpClient for IdentityTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
     use spillgate_core::config::DEFAULT_ENTRA_SCOPE;
     use std::collections::VecDeque;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1682,12 +1681,12 @@ mod tests {
 
     struct NoNetwork;
     impl Upstream for NoNetwork {
-        fn send(
-            &self,
-            _: http::Request<Full<Bytes>>,
+        fn send<'a>(
+            &'a self,
+            _: UpstreamRequest<'a>,
             _: Duration,
         ) -> futures_util::future::BoxFuture<
-            'static,
+            'a,
             Result<http::Response<axum::body::Body>, AttemptError>,
         > {
             Box::pin(async { Err(AttemptError::Connect("no network in this test".into())) })

@@ -27,8 +27,9 @@ use std::task::{Context, Poll, Waker};
 use bytes::{Buf, Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 use http_body::{Frame, SizeHint};
-use http_body_util::Full;
 use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::upstream::UpstreamRequest;
 
 /// Most header lines a response head may have.
 const MAX_HEADERS: usize = 128;
@@ -74,10 +75,10 @@ impl std::error::Error for Error {}
 /// Why [`Conn::send`] got no response.
 #[derive(Debug)]
 pub enum SendError {
-    /// The first write failed: the request, as it came, may go on another connection.
-    /// Over plain TCP not a byte went; over TLS at most part of the first records, never
-    /// a request the backend could act on.
-    Unsent(Box<http::Request<Full<Bytes>>>, Error),
+    /// The first write failed: the request may go on another connection. Over plain TCP
+    /// not a byte went; over TLS at most part of the first records, never a request the
+    /// backend could act on.
+    Unsent(Error),
     /// Failed once (some of) the request may have been written: not to be sent again.
     Failed(Error),
 }
@@ -126,33 +127,29 @@ impl Conn {
         poll_fill(&mut self.io, &mut self.buf, &mut self.room, cx)
     }
 
-    /// Sends `req` (absolute URI; its path and query go in the request line, and the
-    /// connection's `Host` when it has none) and reads the response head. The connection
-    /// then belongs to the response body, which gives it to `release` at its end if it
-    /// can carry another request.
+    /// Sends `req` (in origin form, with the connection's `Host`) and reads the response
+    /// head. The connection then belongs to the response body, which gives it to
+    /// `release` at its end if it can carry another request.
     pub async fn send<R: Release>(
         mut self,
-        req: http::Request<Full<Bytes>>,
+        req: &UpstreamRequest<'_>,
         release: R,
     ) -> Result<http::Response<Body<R>>, SendError> {
-        let (parts, body) = req.into_parts();
-        let body = full_bytes(body);
+        let body = req.body();
         self.head.clear();
-        encode_head(&mut self.head, &parts, self.host.as_ref(), body.len());
-        let wrote = match self.write(&body).await {
+        encode_head(&mut self.head, req, self.host.as_ref(), body.len());
+        let wrote = match self.write(body).await {
             Ok(wrote) => wrote,
             Err((written, e)) => {
                 let e = Error::io("writing the request", &e);
                 return Err(if written == 0 {
-                    let req = http::Request::from_parts(parts, Full::new(body));
-                    SendError::Unsent(Box::new(req), e)
+                    SendError::Unsent(e)
                 } else {
                     SendError::Failed(e)
                 });
             }
         };
-        let is_head = parts.method == Method::HEAD;
-        drop(parts);
+        let is_head = req.method() == Method::HEAD;
         let head = loop {
             if let Some(head) = parse_head(&mut self.buf).map_err(SendError::Failed)? {
                 // 1xx (100 Continue, 103 Early Hints): the real answer follows.
@@ -357,42 +354,23 @@ fn interim(code: u16) -> bool {
     (100..200).contains(&code) && code != 101
 }
 
-/// The data of a [`Full`] body (which gives it only by polling; it is ready at once).
-fn full_bytes(mut body: Full<Bytes>) -> Bytes {
-    use http_body::Body as _;
-    let mut cx = Context::from_waker(Waker::noop());
-    match Pin::new(&mut body).poll_frame(&mut cx) {
-        Poll::Ready(Some(Ok(frame))) => frame.into_data().unwrap_or_default(),
-        _ => Bytes::new(),
-    }
-}
-
 /// The request line and headers. `Content-Length` is the body's (any the request had, and
 /// any `Transfer-Encoding`, are left out); a `GET` or `HEAD` without a body has none.
 /// `Host` is the connection's (`host`), never the request's (the client's).
 fn encode_head(
     out: &mut Vec<u8>,
-    req: &http::request::Parts,
+    req: &UpstreamRequest<'_>,
     host: Option<&HeaderValue>,
     body_len: usize,
 ) {
-    out.extend_from_slice(req.method.as_str().as_bytes());
+    out.extend_from_slice(req.method().as_str().as_bytes());
     out.push(b' ');
-    let path = req.uri.path();
-    out.extend_from_slice(if path.starts_with('/') {
-        path.as_bytes()
-    } else {
-        b"/"
-    });
-    if let Some(query) = req.uri.query() {
-        out.push(b'?');
-        out.extend_from_slice(query.as_bytes());
-    }
+    out.extend_from_slice(req.path_and_query().as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     if let Some(host) = host {
         header_line(out, &header::HOST, host);
     }
-    for (name, value) in &req.headers {
+    for (name, value) in req.headers() {
         let own = name == header::CONTENT_LENGTH
             || name == header::TRANSFER_ENCODING
             || name == header::HOST;
@@ -400,7 +378,7 @@ fn encode_head(
             header_line(out, name, value);
         }
     }
-    if body_len > 0 || !matches!(req.method, Method::GET | Method::HEAD) {
+    if body_len > 0 || !matches!(*req.method(), Method::GET | Method::HEAD) {
         length_line(out, body_len as u64);
     }
     out.extend_from_slice(b"\r\n");
@@ -1330,16 +1308,26 @@ mod tests {
         }
     }
 
+    /// Sends `req` on `conn`.
+    async fn send<R: Release>(
+        conn: Conn,
+        req: http::Request<Bytes>,
+        release: R,
+    ) -> Result<http::Response<Body<R>>, SendError> {
+        conn.send(&UpstreamRequest::of(&req).unwrap(), release)
+            .await
+    }
+
     fn pair() -> (Conn, DuplexStream) {
         let (a, b) = tokio::io::duplex(1 << 20);
         let host = HeaderValue::from_static("backend.example:8080");
         (Conn::new(Box::new(a), Some(host)), b)
     }
 
-    fn post(body: &'static str) -> http::Request<Full<Bytes>> {
+    fn post(body: &'static str) -> http::Request<Bytes> {
         http::Request::post("http://backend.example:8080/v1/chat/completions?x=1")
             .header("x-request-id", "r1")
-            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .body(Bytes::from_static(body.as_bytes()))
             .unwrap()
     }
 
@@ -1353,12 +1341,12 @@ mod tests {
     async fn exchange(
         conn: Conn,
         server: &mut DuplexStream,
-        req: http::Request<Full<Bytes>>,
+        req: http::Request<Bytes>,
         response: &[u8],
     ) -> (Result<http::Response<Body<Back>>, SendError>, Back) {
         server.write_all(response).await.unwrap();
         let back = Back::default();
-        (conn.send(req, back.clone()).await, back)
+        (send(conn, req, back.clone()).await, back)
     }
 
     /// A new connection whose backend has already written `response`, sent a POST.
@@ -1443,7 +1431,7 @@ mod tests {
             .header(header::HOST, "kept.example")
             .header(header::CONTENT_LENGTH, "99")
             .header(header::TRANSFER_ENCODING, "chunked")
-            .body(Full::new(Bytes::new()))
+            .body(Bytes::new())
             .unwrap();
         let (resp, _) = exchange(conn, &mut server, req, b"HTTP/1.1 204 No Content\r\n\r\n").await;
         assert_eq!(resp.unwrap().status(), 204);
@@ -1454,7 +1442,7 @@ mod tests {
         );
         let (conn, mut server) = pair();
         let req = http::Request::delete("http://b/v1/files/f")
-            .body(Full::new(Bytes::new()))
+            .body(Bytes::new())
             .unwrap();
         let (resp, _) = exchange(
             conn,
@@ -1467,6 +1455,41 @@ mod tests {
         assert!(received(&mut server)
             .await
             .ends_with("content-length: 0\r\n\r\n"));
+    }
+
+    #[tokio::test]
+    async fn the_credential_is_written_in_place_of_the_headers_of_its_name() {
+        let (conn, mut server) = pair();
+        let mut headers = HeaderMap::new();
+        headers.append("api-key", HeaderValue::from_static("client"));
+        headers.append("x-request-id", HeaderValue::from_static("r1"));
+        let (name, key) = (
+            HeaderName::from_static("api-key"),
+            HeaderValue::from_static("backend"),
+        );
+        let (scheme, authority) = (
+            http::uri::Scheme::HTTP,
+            http::uri::Authority::from_static("b"),
+        );
+        let req = UpstreamRequest::new(
+            &Method::POST,
+            (&scheme, &authority),
+            "/v1/embeddings?x=1",
+            &headers,
+            Some((&name, &key)),
+            Bytes::from_static(b"{}"),
+        )
+        .unwrap();
+        server
+            .write_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+            .await
+            .unwrap();
+        let resp = conn.send(&req, Back::default()).await.unwrap();
+        assert_eq!(resp.status(), 204);
+        assert_eq!(
+            received(&mut server).await,
+            "POST /v1/embeddings?x=1 HTTP/1.1\r\nhost: backend.example:8080\r\nx-request-id: r1\r\napi-key: backend\r\ncontent-length: 2\r\n\r\n{}"
+        );
     }
 
     #[tokio::test]
@@ -1486,7 +1509,7 @@ mod tests {
         // A HEAD response's length is the resource's, not a body's.
         let (conn, mut server) = pair();
         let req = http::Request::head("http://b/x")
-            .body(Full::new(Bytes::new()))
+            .body(Bytes::new())
             .unwrap();
         let (resp, back) = exchange(
             conn,
@@ -1534,10 +1557,10 @@ mod tests {
             .await
             .unwrap();
         let req = http::Request::post("http://b/v1/embeddings")
-            .body(Full::new(Bytes::from(vec![b'x'; 64 * 1024])))
+            .body(Bytes::from(vec![b'x'; 64 * 1024]))
             .unwrap();
         let back = Back::default();
-        let send = conn.send(req, back.clone());
+        let send = send(conn, req, back.clone());
         let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
             .await
             .expect("the answer was not seen while writing")
@@ -1588,7 +1611,7 @@ mod tests {
             .write_all(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
             .await
             .unwrap();
-        let send = conn.send(post("{}"), Back::default());
+        let send = send(conn, post("{}"), Back::default());
         let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
             .await
             .expect("the answer was not seen while flushing")
@@ -1620,10 +1643,10 @@ mod tests {
             server
         });
         let req = http::Request::post("http://b/v1/embeddings")
-            .body(Full::new(Bytes::from(vec![b'x'; 64 * 1024])))
+            .body(Bytes::from(vec![b'x'; 64 * 1024]))
             .unwrap();
         let back = Back::default();
-        let send = conn.send(req, back.clone());
+        let send = send(conn, req, back.clone());
         let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
             .await
             .unwrap()
@@ -1772,7 +1795,7 @@ mod tests {
             let (conn, mut server) = pair();
             server.write_all(response).await.unwrap();
             server.shutdown().await.unwrap();
-            let r = conn.send(post("{}"), Back::default()).await;
+            let r = send(conn, post("{}"), Back::default()).await;
             match r {
                 Err(SendError::Failed(e)) => assert!(e.to_string().contains(want), "{e} / {want}"),
                 other => panic!(
@@ -1815,17 +1838,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_request_not_written_at_all_is_given_back_whole() {
+    async fn a_request_not_written_at_all_is_said_to_be_unsent() {
         let (conn, server) = pair();
         drop(server);
-        match conn.send(post("{\"k\":2}"), Back::default()).await {
-            Err(SendError::Unsent(req, _)) => {
-                assert_eq!(
-                    req.uri(),
-                    "http://backend.example:8080/v1/chat/completions?x=1"
-                );
-                assert_eq!(req.headers()["x-request-id"], "r1");
-                assert_eq!(full_bytes(req.into_body()), "{\"k\":2}");
+        match send(conn, post("{\"k\":2}"), Back::default()).await {
+            Err(SendError::Unsent(e)) => {
+                assert!(e.to_string().contains("writing the request"), "{e}")
             }
             other => panic!("{:?}", other.map(|r| r.status())),
         }
@@ -1835,7 +1853,7 @@ mod tests {
             let _ = received(&mut server).await;
             drop(server);
         });
-        match conn.send(post("{}"), Back::default()).await {
+        match send(conn, post("{}"), Back::default()).await {
             Err(SendError::Failed(e)) => assert!(e.to_string().contains("before answering"), "{e}"),
             other => panic!("{:?}", other.map(|r| r.status())),
         }

@@ -9,12 +9,12 @@
 use std::sync::{Arc, Weak};
 
 use bytes::Bytes;
-use http_body_util::Full;
 use spillgate_core::outcome::{CoolReason, Cooldown};
 use spillgate_core::retry::AttemptResult;
 
 use crate::app::{App, BackendRt};
 use crate::entra::{BearerToken, Refusal, TokenSource};
+use crate::upstream::UpstreamRequest;
 
 /// Starts one task per backend that has a health check. Tasks hold a weak reference and
 /// end when the gateway is dropped.
@@ -57,7 +57,7 @@ pub fn spawn_missing(app: &Arc<App>, old: &crate::app::Snapshot) {
 fn request(
     b: &BackendRt,
     bearer: Option<&crate::entra::BearerToken>,
-) -> Option<http::Request<Full<Bytes>>> {
+) -> Option<http::Request<Bytes>> {
     let hc = b.cfg.health_check.as_ref()?;
     let uri = http::Uri::builder()
         .scheme(b.scheme.clone())
@@ -85,7 +85,7 @@ fn request(
         }
     }
     builder
-        .body(Full::new(Bytes::from(hc.body.clone().unwrap_or_default())))
+        .body(Bytes::from(hc.body.clone().unwrap_or_default()))
         .ok()
 }
 
@@ -126,7 +126,10 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
             tracing::error!(backend = %name, path = %hc.path, "health check request cannot be built; checks stopped");
             return;
         };
-        let result = a.upstream.send(req, hc.timeout).await;
+        let result = match UpstreamRequest::of(&req) {
+            Ok(req) => a.upstream.send(req, hc.timeout).await,
+            Err(e) => Err(e),
+        };
         let refused = matches!(&result, Ok(r) if r.status() == http::StatusCode::UNAUTHORIZED);
         if let (true, Some(source), Some(t)) = (refused, &b.entra, &token) {
             b.state.set_last_status(401);

@@ -16,7 +16,7 @@ use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use spillgate_core::capacity::{parse_headers as parse_ratelimit, Admission, Reserve};
 use spillgate_core::config::{is_safe_name, AllCoolingPolicy, BackendKind, Step};
 use spillgate_core::outcome::{cooldown_duration, retry_hint, CoolReason, Cooldown, Outcome};
@@ -36,7 +36,7 @@ use crate::h1;
 use crate::metrics::{Label, Labels};
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
 use crate::store::{ProbeClaim, StateStore, StoreBudget};
-use crate::upstream::AttemptError;
+use crate::upstream::{AttemptError, UpstreamRequest};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -1192,13 +1192,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             tried.push((id, dep_name));
         }
 
-        let upstream_req = match build_upstream_request(
-            backend,
-            model,
-            ctx,
-            &mut lazy_body_info,
-            token.as_deref(),
-        ) {
+        let prepared = build_upstream_request(backend, model, ctx, &mut lazy_body_info);
+        let upstream_req = match upstream_request(&prepared, backend, ctx, token.as_deref()) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(backend = %backend.cfg.name, error = %e, "could not build the upstream request");
@@ -1259,13 +1254,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     tracing::warn!(model = %ctx.req.model, route = %route.name, budget = %state, "retry budget exhausted; no further attempts");
                     return Ended::BudgetExhausted { attempts, state };
                 }
-                let req = match build_upstream_request(
-                    backend,
-                    model,
-                    ctx,
-                    &mut lazy_body_info,
-                    Some(&fresh),
-                ) {
+                let prepared = build_upstream_request(backend, model, ctx, &mut lazy_body_info);
+                let req = match upstream_request(&prepared, backend, ctx, Some(&fresh)) {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::error!(backend = %backend.cfg.name, error = %e, "could not build the upstream request");
@@ -1632,8 +1622,7 @@ fn build_upstream_request(
     model: &str,
     ctx: &Ctx<'_>,
     lazy_body_info: &mut Option<BodyInfo>,
-    bearer: Option<&BearerToken>,
-) -> anyhow::Result<http::Request<Full<Bytes>>> {
+) -> anyhow::Result<Prepared> {
     let req = ctx.req;
     let deployment = backend
         .cfg
@@ -1678,26 +1667,47 @@ fn build_upstream_request(
         },
         _ => ctx.body.clone(),
     };
-    let mut uri = http::uri::Parts::default();
-    uri.scheme = Some(backend.scheme.clone());
-    uri.authority = Some(backend.authority.clone());
-    uri.path_and_query = Some(http::uri::PathAndQuery::try_from(target.path_and_query)?);
-    let mut headers = ctx.upstream_headers.clone();
-    match bearer {
-        Some(t) => {
-            headers.insert(header::AUTHORIZATION, t.header().clone());
-        }
-        None => {
-            if let Some((name, value)) = &backend.credential {
-                headers.insert(name.clone(), value.clone());
-            }
-        }
-    }
-    let mut req = http::Request::new(Full::new(body));
-    *req.method_mut() = ctx.method.clone();
-    *req.uri_mut() = http::Uri::from_parts(uri)?;
-    *req.headers_mut() = headers;
-    Ok(req)
+    Ok(Prepared {
+        target: target.path_and_query,
+        body,
+    })
+}
+
+/// What an attempt's request has of its own: its target (path and query) and its body
+/// (the client's, or a copy with the backend's model).
+struct Prepared {
+    target: String,
+    body: Bytes,
+}
+
+/// The name of the header an Entra ID token goes in; a static, to be lent.
+static AUTHORIZATION: HeaderName = header::AUTHORIZATION;
+
+/// The request to `backend` of an attempt `prepared` for it: the client's forwarded
+/// headers, lent, and the backend's credential (`bearer`, the Entra ID token, else its
+/// key). The error is why it could not be built.
+fn upstream_request<'a>(
+    prepared: &'a anyhow::Result<Prepared>,
+    backend: &'a BackendRt,
+    ctx: &'a Ctx<'_>,
+    bearer: Option<&'a BearerToken>,
+) -> anyhow::Result<UpstreamRequest<'a>> {
+    let prepared = prepared.as_ref().map_err(|e| anyhow::anyhow!("{e:#}"))?;
+    let credential = match bearer {
+        Some(t) => Some((&AUTHORIZATION, t.header())),
+        None => backend
+            .credential
+            .as_ref()
+            .map(|(name, value)| (name, value)),
+    };
+    Ok(UpstreamRequest::new(
+        ctx.method,
+        (&backend.scheme, &backend.authority),
+        &prepared.target,
+        ctx.upstream_headers,
+        credential,
+        prepared.body.clone(),
+    )?)
 }
 
 /// Counts an answered request: by backend, status class, priority and (bounded) model;

@@ -16,10 +16,10 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use tokio::time::Instant;
 
-use crate::upstream::{AttemptError, Upstream};
+use crate::upstream::{AttemptError, Upstream, UpstreamRequest};
 
 /// Response headers of a simulated answer.
 type Headers = Vec<(&'static str, String)>;
@@ -309,23 +309,22 @@ fn deployment_of(path: &str, body: &[u8]) -> String {
 }
 
 impl Upstream for SimUpstream {
-    fn send(
-        &self,
-        req: http::Request<Full<Bytes>>,
+    fn send<'a>(
+        &'a self,
+        req: UpstreamRequest<'a>,
         timeout: Duration,
-    ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>> {
-        let backend = req.uri().host().and_then(|h| self.backends.get(h)).cloned();
-        let path = req.uri().path().to_string();
+    ) -> BoxFuture<'a, Result<http::Response<Body>, AttemptError>> {
+        let backend = self.backends.get(req.authority().host()).cloned();
+        let target = req.path_and_query();
+        let path = target
+            .split_once('?')
+            .map_or(target, |(p, _)| p)
+            .to_string();
+        let body = req.body().clone();
         Box::pin(async move {
             let Some(b) = backend else {
                 return Err(AttemptError::Connect("no such simulated backend".into()));
             };
-            let body = req
-                .into_body()
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
             // Azure charges a request when it arrives, then generates: admission first,
             // the latency after (a 429 comes back at once).
             let now = Instant::now();

@@ -31,7 +31,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use spillgate::app::App;
 use spillgate::server::{start, Running};
-use spillgate::upstream::{AttemptError, Upstream};
+use spillgate::upstream::{AttemptError, Upstream, UpstreamRequest};
 use spillgate_mock::{IdentityControl, MockBackend, MockConfig, MockIdentity};
 use tower::ServiceExt;
 
@@ -590,11 +590,12 @@ impl Scripted {
 }
 
 impl Upstream for Scripted {
-    fn send(
-        &self,
-        req: http::Request<Full<Bytes>>,
+    fn send<'a>(
+        &'a self,
+        req: UpstreamRequest<'a>,
         _timeout: Duration,
-    ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>> {
+    ) -> BoxFuture<'a, Result<http::Response<Body>, AttemptError>> {
+        let req = req.to_http().unwrap();
         let this = self.clone();
         Box::pin(async move {
             let host = req.uri().host().unwrap_or_default().to_string();

@@ -18,9 +18,9 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::{HeaderMap, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use spillgate::app::App;
-use spillgate::upstream::{AttemptError, Upstream};
+use spillgate::upstream::{AttemptError, Upstream, UpstreamRequest};
 use tokio::time::Instant;
 use tower::ServiceExt;
 
@@ -116,11 +116,12 @@ impl Fake {
 }
 
 impl Upstream for Fake {
-    fn send(
-        &self,
-        req: http::Request<Full<Bytes>>,
+    fn send<'a>(
+        &'a self,
+        req: UpstreamRequest<'a>,
         timeout: Duration,
-    ) -> BoxFuture<'static, Result<http::Response<Body>, AttemptError>> {
+    ) -> BoxFuture<'a, Result<http::Response<Body>, AttemptError>> {
+        let req = req.to_http().unwrap();
         let host = req.uri().host().unwrap_or("?");
         let backend = host.strip_suffix(".test").unwrap_or(host).to_string();
         let path = req
