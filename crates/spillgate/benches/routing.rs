@@ -25,7 +25,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use spillgate::sim::{SimLimits, SimUpstream};
-use spillgate::upstream::{Upstream, UpstreamRequest};
+use spillgate::upstream::Upstream;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
@@ -123,11 +123,7 @@ fn request_to(backend: &str, body: Bytes) -> http::Request<Bytes> {
 
 async fn status_of(sim: &SimUpstream, backend: &str, body: Bytes) -> u16 {
     let req = request_to(backend, body);
-    let sent = match UpstreamRequest::of(&req) {
-        Ok(req) => sim.send(req, Duration::from_secs(60)).await,
-        Err(e) => Err(e),
-    };
-    match sent {
+    match sim.send_http(&req, Duration::from_secs(60)).await {
         Ok(r) => {
             let s = r.status().as_u16();
             let _ = r.into_body().collect().await;

@@ -50,7 +50,7 @@ use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use crate::lock;
-use crate::upstream::{AttemptError, Upstream, UpstreamRequest};
+use crate::upstream::{AttemptError, Upstream};
 
 /// Tokens are renewed this long before they expire (when they live long enough).
 pub const REFRESH_AHEAD: Duration = Duration::from_secs(300);
@@ -1054,10 +1054,10 @@ impl HttpClient for IdentityTransport {
         let req = builder
             .body(body)
             .map_err(|e| sdk_error(ErrorKind::Other, e.to_string()))?;
-        let sent = match UpstreamRequest::of(&req) {
-            Ok(req) => self.upstream.send(req, IDENTITY_REQUEST_TIMEOUT).await,
-            Err(e) => Err(e),
-        };
+        let sent = self
+            .upstream
+            .send_http(&req, IDENTITY_REQUEST_TIMEOUT)
+            .await;
         let resp = sent.map_err(|e| {
             let kind = match e {
                 AttemptError::Connect(_) => ErrorKind::Connection,
@@ -1096,6 +1096,7 @@ impl HttpClient for IdentityTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::upstream::UpstreamRequest;
     use spillgate_core::config::DEFAULT_ENTRA_SCOPE;
     use std::collections::VecDeque;
     use std::sync::atomic::{AtomicUsize, Ordering};

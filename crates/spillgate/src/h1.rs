@@ -1560,8 +1560,8 @@ mod tests {
             .body(Bytes::from(vec![b'x'; 64 * 1024]))
             .unwrap();
         let back = Back::default();
-        let send = send(conn, req, back.clone());
-        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
+        let sending = send(conn, req, back.clone());
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), sending)
             .await
             .expect("the answer was not seen while writing")
             .unwrap();
@@ -1611,8 +1611,8 @@ mod tests {
             .write_all(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
             .await
             .unwrap();
-        let send = send(conn, post("{}"), Back::default());
-        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
+        let sending = send(conn, post("{}"), Back::default());
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), sending)
             .await
             .expect("the answer was not seen while flushing")
             .unwrap();
@@ -1646,8 +1646,8 @@ mod tests {
             .body(Bytes::from(vec![b'x'; 64 * 1024]))
             .unwrap();
         let back = Back::default();
-        let send = send(conn, req, back.clone());
-        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), send)
+        let sending = send(conn, req, back.clone());
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), sending)
             .await
             .unwrap()
             .unwrap();

@@ -14,7 +14,6 @@ use spillgate_core::retry::AttemptResult;
 
 use crate::app::{App, BackendRt};
 use crate::entra::{BearerToken, Refusal, TokenSource};
-use crate::upstream::UpstreamRequest;
 
 /// Starts one task per backend that has a health check. Tasks hold a weak reference and
 /// end when the gateway is dropped.
@@ -126,10 +125,7 @@ async fn run(app: Weak<App>, name: Arc<str>, generation: u64) {
             tracing::error!(backend = %name, path = %hc.path, "health check request cannot be built; checks stopped");
             return;
         };
-        let result = match UpstreamRequest::of(&req) {
-            Ok(req) => a.upstream.send(req, hc.timeout).await,
-            Err(e) => Err(e),
-        };
+        let result = a.upstream.send_http(&req, hc.timeout).await;
         let refused = matches!(&result, Ok(r) if r.status() == http::StatusCode::UNAUTHORIZED);
         if let (true, Some(source), Some(t)) = (refused, &b.entra, &token) {
             b.state.set_last_status(401);

@@ -104,10 +104,9 @@ fn unwanted_names(
 /// two logs can be matched. `Host` and `Content-Length` stay: the
 /// [`Upstream`](crate::upstream::Upstream) sends its own in their place (the HTTP/1.1
 /// writer, `h1::encode_head`, and the HTTP/2 path of `upstream::send_on`), and most
-/// requests have nothing else to take out. Each attempt sends a clone with its
-/// credential added: a clone hashes nothing again and copies no header's bytes, where
-/// building the map anew for each attempt hashed every name again. Removals move the
-/// last header into the gap: the order may change.
+/// requests have nothing else to take out. Each attempt lends the map, its credential
+/// written after it (see [`UpstreamRequest`]): neither copied nor built anew per
+/// attempt. Removals move the last header into the gap: the order may change.
 fn forward_headers(headers: &mut HeaderMap, request_id: HeaderValue) {
     let unwanted = unwanted_names(headers, |n| {
         CLIENT_CREDENTIAL_HEADERS.contains(&n)
@@ -1192,7 +1191,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             tried.push((id, dep_name));
         }
 
-        let prepared = build_upstream_request(backend, model, ctx, &mut lazy_body_info);
+        let prepared = prepare_attempt(backend, model, ctx, &mut lazy_body_info);
         let upstream_req = match upstream_request(&prepared, backend, ctx, token.as_deref()) {
             Ok(r) => r,
             Err(e) => {
@@ -1254,7 +1253,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                     tracing::warn!(model = %ctx.req.model, route = %route.name, budget = %state, "retry budget exhausted; no further attempts");
                     return Ended::BudgetExhausted { attempts, state };
                 }
-                let prepared = build_upstream_request(backend, model, ctx, &mut lazy_body_info);
+                let prepared = prepare_attempt(backend, model, ctx, &mut lazy_body_info);
                 let req = match upstream_request(&prepared, backend, ctx, Some(&fresh)) {
                     Ok(r) => r,
                     Err(e) => {
@@ -1617,7 +1616,9 @@ fn refused_token(
     }
 }
 
-fn build_upstream_request(
+/// What an attempt on `backend` sends of its own: the target for the backend's kind and
+/// deployment, and the body (with the backend's model when it takes it in the body).
+fn prepare_attempt(
     backend: &BackendRt,
     model: &str,
     ctx: &Ctx<'_>,

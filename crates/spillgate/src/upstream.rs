@@ -52,6 +52,19 @@ pub trait Upstream: Send + Sync + 'static {
         req: UpstreamRequest<'a>,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<http::Response<Body>, AttemptError>>;
+
+    /// Sends `req`, one of the gateway's own requests (a health check, an identity
+    /// token's) built as an `http::Request` with an absolute URI.
+    fn send_http<'a>(
+        &'a self,
+        req: &'a http::Request<Bytes>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<http::Response<Body>, AttemptError>> {
+        match UpstreamRequest::of(req) {
+            Ok(req) => self.send(req, timeout),
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+        }
+    }
 }
 
 /// One attempt's request to a backend. It borrows what every attempt of a client's
@@ -706,17 +719,6 @@ mod tests {
             .unwrap()
     }
 
-    impl UpstreamClient {
-        /// Sends `req`, as the gateway's own requests are sent.
-        async fn send_http(
-            &self,
-            req: http::Request<Bytes>,
-            timeout: Duration,
-        ) -> Result<http::Response<Body>, AttemptError> {
-            self.send(UpstreamRequest::of(&req)?, timeout).await
-        }
-    }
-
     fn origin(port: u16) -> Origin {
         Origin {
             scheme: Scheme::HTTP,
@@ -801,7 +803,7 @@ mod tests {
     /// The body of a POST to `path` on the backend at `port`, which must answer.
     async fn answer(c: &UpstreamClient, port: u16, path: &str) -> Bytes {
         let resp = c
-            .send_http(post(&format!("http://127.0.0.1:{port}{path}")), LONG)
+            .send_http(&post(&format!("http://127.0.0.1:{port}{path}")), LONG)
             .await
             .unwrap();
         body_of(resp).await
@@ -813,7 +815,7 @@ mod tests {
         let c = client();
         for i in 0..3 {
             let resp = c
-                .send_http(post(&format!("http://127.0.0.1:{port}/v1/x?i={i}")), LONG)
+                .send_http(&post(&format!("http://127.0.0.1:{port}/v1/x?i={i}")), LONG)
                 .await
                 .unwrap();
             assert_eq!(resp.status(), 200);
@@ -841,7 +843,7 @@ mod tests {
             headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("999"));
             let c = UpstreamClient::build(Duration::from_secs(5), h2);
             // Over HTTP/2, a length that is not the body's would fail the request.
-            let resp = c.send_http(req, LONG).await.unwrap();
+            let resp = c.send_http(&req, LONG).await.unwrap();
             assert_eq!(body_of(resp).await, "ok");
             let reqs = seen.requests.lock().unwrap().clone();
             // HTTP/2 has no Host header: its authority (the URI's) is the backend's.
@@ -859,13 +861,15 @@ mod tests {
         let (port, seen) = backend(false).await;
         let c = client();
         let url = format!("http://127.0.0.1:{port}/");
-        let (a, b) = tokio::join!(c.send_http(post(&url), LONG), c.send_http(post(&url), LONG));
+        let (ra, rb) = (post(&url), post(&url));
+        let (a, b) = tokio::join!(c.send_http(&ra, LONG), c.send_http(&rb, LONG));
         body_of(a.unwrap()).await;
         body_of(b.unwrap()).await;
         assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
         assert_eq!(idle_h1(&c, port), 2);
         // Both reused afterwards: no third connection.
-        let (a, b) = tokio::join!(c.send_http(post(&url), LONG), c.send_http(post(&url), LONG));
+        let (ra, rb) = (post(&url), post(&url));
+        let (a, b) = tokio::join!(c.send_http(&ra, LONG), c.send_http(&rb, LONG));
         body_of(a.unwrap()).await;
         body_of(b.unwrap()).await;
         assert_eq!(seen.accepted.load(Ordering::SeqCst), 2);
@@ -874,7 +878,7 @@ mod tests {
     /// The body of a `/stall` answer, its first chunk read; the rest never comes.
     async fn stalled(c: &UpstreamClient, port: u16) -> Body {
         let resp = c
-            .send_http(post(&format!("http://127.0.0.1:{port}/stall")), LONG)
+            .send_http(&post(&format!("http://127.0.0.1:{port}/stall")), LONG)
             .await
             .unwrap();
         let mut body = resp.into_body();
@@ -938,13 +942,14 @@ mod tests {
         let (port, seen) = backend(true).await;
         let c = UpstreamClient::build(Duration::from_secs(5), true);
         let url = format!("http://127.0.0.1:{port}/v1/y");
-        let (a, b) = tokio::join!(c.send_http(post(&url), LONG), c.send_http(post(&url), LONG));
+        let (ra, rb) = (post(&url), post(&url));
+        let (a, b) = tokio::join!(c.send_http(&ra, LONG), c.send_http(&rb, LONG));
         assert_eq!(body_of(a.unwrap()).await, "ok");
         assert_eq!(body_of(b.unwrap()).await, "ok");
         // The first two raced to connect; the third goes over a kept connection.
         let accepted = seen.accepted.load(Ordering::SeqCst);
         assert!((1..=2).contains(&accepted), "{accepted} connections");
-        let resp = c.send_http(post(&url), LONG).await.unwrap();
+        let resp = c.send_http(&post(&url), LONG).await.unwrap();
         assert_eq!(body_of(resp).await, "ok");
         assert_eq!(seen.accepted.load(Ordering::SeqCst), accepted);
         let reqs = seen.requests.lock().unwrap().clone();
@@ -962,7 +967,7 @@ mod tests {
             l.local_addr().unwrap().port()
         };
         let err = client()
-            .send_http(post(&format!("http://127.0.0.1:{port}/")), LONG)
+            .send_http(&post(&format!("http://127.0.0.1:{port}/")), LONG)
             .await
             .unwrap_err();
         assert!(matches!(err, AttemptError::Connect(_)), "{err:?}");
@@ -1060,7 +1065,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_relative_uri_is_refused() {
-        let err = client().send_http(post("/v1/x"), LONG).await.unwrap_err();
+        let err = client().send_http(&post("/v1/x"), LONG).await.unwrap_err();
         assert!(matches!(err, AttemptError::Request(_)), "{err:?}");
     }
 
@@ -1114,9 +1119,9 @@ mod tests {
         });
         let c = client();
         let url = format!("http://127.0.0.1:{port}/");
-        let resp = c.send_http(post(&url), LONG).await.unwrap();
+        let resp = c.send_http(&post(&url), LONG).await.unwrap();
         assert_eq!(body_of(resp).await, "ok");
-        let err = c.send_http(post(&url), LONG).await.unwrap_err();
+        let err = c.send_http(&post(&url), LONG).await.unwrap_err();
         assert!(matches!(err, AttemptError::Request(_)), "{err:?}");
     }
 
