@@ -149,6 +149,8 @@ cargo test --workspace --bench '*'
 # The overhead benchmark (wrk, nginx and the gateway on loopback), one short case of each
 # part, on the debug build: it fails on any error, not on any number.
 SMOKE=1 bench/overhead.sh
+# Two builds in alternation (here the debug build against itself), a pass of each.
+SMOKE=1 bench/ab.sh
 # Instructions per request under callgrind, nginx and the gateway, one short JSON run.
 SMOKE=1 bench/instructions.sh
 

@@ -41,6 +41,25 @@ trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
+# The processes `pids` together (none: zeros): their user and system CPU seconds
+# ("user sys"), and their CPU seconds.
+cpu_of() { # pids
+    local p
+    for p in $1; do cat "/proc/$p/stat"; done |
+        awk -v t="$(getconf CLK_TCK)" '{u += $14; s += $15} END {print u/t, s/t}'
+}
+cpu_total() { cpu_of "$1" | awk '{print $1 + $2}'; }
+
+# median_range <format> <values...>: "median (min to max)", each in the printf format;
+# with a format ending in ×, the × follows the median only.
+median_range() {
+    local fmt=$1; shift
+    printf '%s\n' "$@" | sort -g | awk -v f="$fmt" '{v[NR]=$1} END {
+        m = (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2
+        g = f; sub(/×$/, "", g)
+        printf f " (" g " to " g ")", m, v[1], v[NR] }'
+}
+
 # wait_port <port> [seconds]: until something listens there (5 s by default).
 wait_port() {
     local tries=$(( ${2:-5} * 20 ))

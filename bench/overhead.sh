@@ -87,14 +87,7 @@ worker_pids() { # master_pid
     return 1
 }
 
-# The processes `pids` together (none: zeros): their user and system CPU seconds
-# ("user sys"), their CPU seconds, and their peak RSS in MB.
-cpu_of() { # pids
-    local p
-    for p in $1; do cat "/proc/$p/stat"; done |
-        awk -v t="$(getconf CLK_TCK)" '{u += $14; s += $15} END {print u/t, s/t}'
-}
-cpu_total() { cpu_of "$1" | awk '{print $1 + $2}'; }
+# The processes `pids` together: their peak RSS in MB.
 rss_of() { # pids
     local p
     for p in $1; do awk '/VmHWM/ {print $2}' "/proc/$p/status"; done | awk '{kb += $1} END {print kb/1024}'
@@ -118,16 +111,6 @@ measure() {
 # In a smoke run, any error fails the script.
 check_errors() { # errors what
     if [[ -n ${SMOKE:-} && $1 != 0 ]]; then echo "smoke: $2 had $1 errors" >&2; FAILED=1; fi
-}
-
-# median_range <format> <values...>: "median (min to max)", each in the printf format;
-# with a format ending in ×, the × follows the median only.
-median_range() {
-    local fmt=$1; shift
-    printf '%s\n' "$@" | sort -g | awk -v f="$fmt" '{v[NR]=$1} END {
-        m = (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2
-        g = f; sub(/×$/, "", g)
-        printf f " (" g " to " g ")", m, v[1], v[NR] }'
 }
 
 # over <values> <bases>: each of the space-separated values less the base of the same

@@ -315,9 +315,9 @@ pub fn usage_total(json: &[u8]) -> Option<u64> {
     }
 }
 
-/// The usage of `json` when the only `"usage"` in it (the first, at `at`) is the key of the last member of
-/// the top-level object, and its value is an object [`plain_usage`] reads; `None` when
-/// it is not so. Found by two vectorized searches, the second from just after what the
+/// The usage of `json` when the only `"usage"` in it (the first, at `at`) is the key of
+/// the last member of the top-level object, and its value is an object [`plain_usage`]
+/// reads; `None` when it is not so. Found by two vectorized searches, the second from just after what the
 /// first found: one pass over the document, without stepping through it byte by byte
 /// (memchr's search from the end goes byte by byte, and cost more than both).
 ///
@@ -512,8 +512,8 @@ fn parsed_usage(value: &[u8]) -> Option<Usage> {
     usage.ok()?
 }
 
-/// When the first `"usage"` in `json` (at `first`) is a key of the top-level object: the bytes from
-/// its value to the end of `json`. Found by a scan from the end of the document back to
+/// When the first `"usage"` in `json` (at `first`) is a key of the top-level object: the
+/// bytes from its value to the end of `json`. Found by a scan from the end of the document back to
 /// the key, which is short: models' answers put `usage` last (Azure) or nearly (OpenAI,
 /// before `service_tier` and `system_fingerprint`), where the forward scan reads the whole
 /// answer. `None` when this cannot tell: the caller then scans from the start.

@@ -1681,9 +1681,6 @@ struct Prepared {
     body: Bytes,
 }
 
-/// The name of the header an Entra ID token goes in; a static, to be lent.
-static AUTHORIZATION: HeaderName = header::AUTHORIZATION;
-
 /// The request to `backend` of an attempt `prepared` for it: the client's forwarded
 /// headers, lent, and the backend's credential (`bearer`, the Entra ID token, else its
 /// key). The error is why it could not be built.
@@ -1695,7 +1692,7 @@ fn upstream_request<'a>(
 ) -> anyhow::Result<UpstreamRequest<'a>> {
     let prepared = prepared.as_ref().map_err(|e| anyhow::anyhow!("{e:#}"))?;
     let credential = match bearer {
-        Some(t) => Some((&AUTHORIZATION, t.header())),
+        Some(t) => Some((&header::AUTHORIZATION, t.header())),
         None => backend
             .credential
             .as_ref()

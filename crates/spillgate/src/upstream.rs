@@ -69,9 +69,10 @@ pub trait Upstream: Send + Sync + 'static {
 
 /// One attempt's request to a backend. It borrows what every attempt of a client's
 /// request shares (the method, the client's headers as forwarded) and adds the backend's
-/// credential when it is written: copying the header map for each attempt, and dropping
-/// the copy, was about 3% of a proxied request's instructions.
-#[derive(Clone, Debug)]
+/// credential when it is written: copying the header map for each attempt, building a
+/// `Uri` and dropping them was 4% of a proxied JSON request's instructions, 5% with the
+/// OpenAI SDK's headers. No `Debug`: it would print the client's headers next to the
+/// credential, and nothing needs it.
 pub struct UpstreamRequest<'a> {
     method: &'a Method,
     scheme: &'a Scheme,
@@ -151,9 +152,9 @@ impl<'a> UpstreamRequest<'a> {
         &self.body
     }
 
-    /// The headers as sent, but for `Host` and the framing headers (see
-    /// [`Upstream::send`]): the shared ones, then the credential in place of any of
-    /// its name.
+    /// The headers to send: the shared ones (where a `Host` or a framing header is the
+    /// client's, which the sender leaves out; see [`Upstream::send`]), then the
+    /// credential in place of any header of its name.
     pub fn headers(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
         let credential = self.credential.map(|(name, _)| name);
         self.headers
