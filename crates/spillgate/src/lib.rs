@@ -25,6 +25,7 @@ pub mod sim;
 pub mod state;
 pub mod store;
 pub mod upstream;
+pub mod whole;
 
 #[cfg(test)]
 mod test_logs;

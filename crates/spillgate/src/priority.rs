@@ -644,6 +644,16 @@ const JSON_TAP_LIMIT: usize = 4 * 1024 * 1024;
 /// ends).
 const JSON_TAP_ROOM: usize = 4096;
 
+/// The usage of a non-streamed body taken whole (see [`crate::whole`]): what a
+/// [`UsageTap`] reads at the end of the same body.
+pub fn whole_json_usage(json_body: bool, body: &[u8]) -> Option<u64> {
+    if json_body && body.len() <= JSON_TAP_LIMIT {
+        usage_total(body)
+    } else {
+        None
+    }
+}
+
 /// Adds a chunk of a JSON body to `json`, which gives up past [`JSON_TAP_LIMIT`] bytes.
 fn keep_json(json: &mut Option<Joined>, data: &Bytes) {
     if let Some(j) = json {

@@ -37,6 +37,7 @@ use crate::metrics::{Label, Labels};
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
 use crate::store::{ProbeClaim, StateStore, StoreBudget};
 use crate::upstream::{AttemptError, UpstreamRequest};
+use crate::whole::{take_whole, Resumed, Taken};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -1879,12 +1880,29 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                 }
                 duration.observe(end.saturating_duration_since(started).as_secs_f64());
             };
-            // The layers nest directly, boxed once at the top: each `Body::new` between
-            // them added a dynamic call and an error conversion to every poll of a chunk.
-            let body = crate::coalesce::Coalesce::new(crate::priority::UsageTap::new(
-                body, sse, json_body, strip, on_usage,
-            ));
-            let mut resp = Response::new(Body::new(crate::idle::IdleTimeout::new(idle, body)));
+            // A body that came whole with its head (nearly every non-streamed answer) is
+            // read and settled now; a stream is not looked at before the client gets it.
+            let taken = if sse {
+                Taken::Partial(Resumed::new(body))
+            } else {
+                take_whole(body)
+            };
+            let body = match taken {
+                Taken::Whole(bytes) => {
+                    on_usage(crate::priority::whole_json_usage(json_body, &bytes));
+                    Body::from(bytes)
+                }
+                Taken::Partial(body) => {
+                    // The layers nest directly, boxed once at the top: each `Body::new`
+                    // between them added a dynamic call and an error conversion to every
+                    // poll of a chunk.
+                    let body = crate::coalesce::Coalesce::new(crate::priority::UsageTap::new(
+                        body, sse, json_body, strip, on_usage,
+                    ));
+                    Body::new(crate::idle::IdleTimeout::new(idle, body))
+                }
+            };
+            let mut resp = Response::new(body);
             *resp.status_mut() = parts.status;
             *resp.headers_mut() = headers;
             resp

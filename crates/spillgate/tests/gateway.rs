@@ -1570,3 +1570,80 @@ async fn tokens_are_counted_per_client_key() {
     assert!(b > 0.0, "{metrics}");
     assert_eq!(a, 2.0 * b, "same requests, twice as many from A");
 }
+
+/// A JSON answer whose body comes in two writes: its first part reaches the client before
+/// the rest is sent (nothing waits for the whole body), the client gets it all with its
+/// length, and its usage is counted as for a body that came whole with its head.
+#[tokio::test]
+async fn a_json_body_in_pieces_is_passed_on_as_it_comes_and_its_usage_counted() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let body = r#"{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":7,"completion_tokens":5,"total_tokens":12}}"#;
+    let (first, rest) = body.split_at(40);
+    let (go_on, rest_may_go) = tokio::sync::oneshot::channel::<()>();
+    let backend = tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        // The request's head and body: read until the body's last byte.
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !got.ends_with(b"}") {
+            let n = sock.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the request came whole");
+            got.extend_from_slice(&buf[..n]);
+        }
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{first}",
+            body.len()
+        );
+        sock.write_all(head.as_bytes()).await.unwrap();
+        rest_may_go.await.unwrap();
+        sock.write_all(rest.as_bytes()).await.unwrap();
+    });
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[admin]\nenabled = false\n[auth]\nmode = \"none\"\n\
+         [[backends]]\nname = \"raw\"\nkind = \"openai\"\nurl = \"http://127.0.0.1:{port}/v1\"\n"
+    );
+    let config =
+        spillgate_core::config::load(&text, &|_| None, &|_| Err("no files".into())).unwrap();
+    let gw = start(App::new(config).unwrap()).await.unwrap();
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let req = http::Request::post(format!("http://{}/v1/chat/completions", gw.addr))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(CHAT.as_bytes())))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(
+        resp.headers()["content-length"],
+        body.len().to_string().as_str()
+    );
+    let mut resp_body = resp.into_body();
+    let part = tokio::time::timeout(Duration::from_secs(10), resp_body.frame())
+        .await
+        .expect("the first part is passed on before the rest is sent")
+        .unwrap()
+        .unwrap()
+        .into_data()
+        .unwrap();
+    assert_eq!(&part[..], first.as_bytes());
+    go_on.send(()).unwrap();
+    let all = resp_body.collect().await.unwrap().to_bytes();
+    assert_eq!([&part[..], &all[..]].concat(), body.as_bytes());
+    backend.await.unwrap();
+    // Counted when the gateway lets go of the body, which may be just after the client
+    // has its last byte.
+    let counted =
+        || {
+            gw.app.metrics.render(&gw.app).lines().any(|l| {
+                l.starts_with("spillgate_tokens_total{backend=\"raw\"") && l.ends_with(" 12")
+            })
+        };
+    for _ in 0..100 {
+        if counted() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(counted(), "{}", gw.app.metrics.render(&gw.app));
+}
