@@ -608,7 +608,7 @@ where
     };
     let chunked = matches!(framing, Framing::Chunked(_));
     encode_head(&mut head, &parts, length, chunked, &mut reusable, version);
-    drop(parts);
+    h1::recycle(parts.headers);
     async move {
         if framing == Framing::Done {
             write_all(out, &mut [IoSlice::new(&head)]).await?;

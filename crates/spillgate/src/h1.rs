@@ -602,7 +602,8 @@ impl Seen {
 /// bytes), and which framing headers are among them. The error says what was wrong,
 /// naming no value.
 fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<(HeaderMap, Seen), String> {
-    let mut headers = HeaderMap::with_capacity(spans.len() + extra);
+    let mut headers = spare_map();
+    headers.reserve(spans.len() + extra);
     let mut seen = Seen::default();
     for span in spans {
         let bytes = head.get(span.name.range()).unwrap_or_default();
@@ -620,6 +621,36 @@ fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<(HeaderMap, 
         headers.append(name, value);
     }
     Ok((headers, seen))
+}
+
+/// Most header maps kept for reuse by a thread, and the largest kept (in headers).
+const SPARE_MAPS: usize = 16;
+const SPARE_CAPACITY: usize = 64;
+
+thread_local! {
+    /// Emptied header maps of heads this thread was done with, for the next heads it
+    /// reads: each new map cost two allocations and their frees. Connections stay on
+    /// their thread, so maps come back where they are taken.
+    static SPARE: std::cell::RefCell<Vec<HeaderMap>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An empty map: a spare one when this thread has one.
+fn spare_map() -> HeaderMap {
+    SPARE.with_borrow_mut(Vec::pop).unwrap_or_default()
+}
+
+/// Empties `map` and keeps it for this thread's next head, when it is not too large and
+/// the thread has not enough spares already; else drops it.
+pub(crate) fn recycle(mut map: HeaderMap) {
+    if map.capacity() == 0 || map.capacity() > SPARE_CAPACITY {
+        return;
+    }
+    map.clear();
+    SPARE.with_borrow_mut(|spare| {
+        if spare.len() < SPARE_MAPS {
+            spare.push(map);
+        }
+    });
 }
 
 /// Declares [`COMMON_NAMES`] and [`COMMON_NAME_TEXTS`] from one list, in the same order.
@@ -1217,16 +1248,8 @@ mod tests {
     fn a_head_keeps_every_header_known_or_not() {
         let raw =
             b"X-Ratelimit-Remaining-Tokens: 10\r\nX-Custom-Thing: a\r\nContent-Type: b\r\n\r\n";
-        let mut headers = [httparse::EMPTY_HEADER; 4];
-        let Ok(httparse::Status::Complete((len, parsed))) =
-            httparse::parse_headers(raw, &mut headers)
-        else {
-            panic!("incomplete")
-        };
-        let mut spans = HeadSpans::new();
-        spans.record(raw, parsed);
+        let map = map_of(raw);
         let head = Bytes::from_static(raw);
-        let (_, map, _) = spans.take(&mut BytesMut::from(&raw[..]), len, 0).unwrap();
         assert_eq!(map.len(), 3);
         assert_eq!(map["x-ratelimit-remaining-tokens"], "10");
         assert_eq!(map["x-custom-thing"], "a");
@@ -1239,6 +1262,53 @@ mod tests {
             header_map(&head, &bad, 0).unwrap_err(),
             "invalid header name"
         );
+    }
+
+    /// The headers of `raw` (a head without its status line) as [`header_map`] makes them.
+    fn map_of(raw: &[u8]) -> HeaderMap {
+        let mut headers = [httparse::EMPTY_HEADER; 8];
+        let Ok(httparse::Status::Complete((len, parsed))) =
+            httparse::parse_headers(raw, &mut headers)
+        else {
+            panic!("incomplete")
+        };
+        let mut spans = HeadSpans::new();
+        spans.record(raw, parsed);
+        spans.take(&mut BytesMut::from(raw), len, 0).unwrap().1
+    }
+
+    /// A map given back is reused by the thread's next head empty: no header of one
+    /// message shows in another's. Maps too large for a head or past the thread's
+    /// spares are dropped.
+    #[test]
+    fn reused_header_maps_carry_nothing_over() {
+        // Each test runs on a thread of its own: the spares are this test's.
+        let first = map_of(b"Authorization: Bearer secret\r\nX-One: 1\r\n\r\n");
+        let capacity = first.capacity();
+        recycle(first);
+        assert_eq!(SPARE.with_borrow(Vec::len), 1);
+        let second = map_of(b"X-Two: 2\r\n\r\n");
+        assert_eq!(SPARE.with_borrow(Vec::len), 0, "the spare was taken");
+        assert_eq!(second.capacity(), capacity, "the same map");
+        assert_eq!(second.len(), 1);
+        assert_eq!(second["x-two"], "2");
+        assert!(second.get(header::AUTHORIZATION).is_none());
+        assert!(second.get("x-one").is_none());
+
+        recycle(HeaderMap::with_capacity(SPARE_CAPACITY * 2));
+        recycle(HeaderMap::new());
+        assert_eq!(
+            SPARE.with_borrow(Vec::len),
+            0,
+            "too large, or nothing to keep"
+        );
+        for _ in 0..SPARE_MAPS + 3 {
+            let mut map = HeaderMap::with_capacity(4);
+            map.insert("x-many", HeaderValue::from_static("1"));
+            recycle(map);
+        }
+        assert_eq!(SPARE.with_borrow(Vec::len), SPARE_MAPS);
+        assert!(SPARE.with_borrow(|s| s.iter().all(HeaderMap::is_empty)));
     }
 
     /// What a head says it has of the framing headers is what its map has, in any case

@@ -420,7 +420,10 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
                 .inc();
         }
     }
-    finish(outcome, &ctx, &client, &app)
+    let resp = finish(outcome, &ctx, &client, &app);
+    drop(ctx);
+    crate::h1::recycle(std::mem::take(&mut parts.headers));
+    resp
 }
 
 /// Logs a request whose client went away before it was answered. The client connection
