@@ -734,6 +734,9 @@ fn usable(backend: &BackendRt, model: &str, now: u64) -> bool {
 struct Pick {
     id: BackendId,
     model: usize,
+    /// The state of the deployment that serves the model there, as the choice found it:
+    /// not looked up again by name.
+    deployment: Arc<BackendState>,
     probes: Probes,
     reservation: Option<Reservation>,
 }
@@ -829,6 +832,7 @@ async fn select_backend<'s>(
                 return Some(Pick {
                     id,
                     model: ci,
+                    deployment: dep,
                     probes,
                     reservation: Some(reservation),
                 });
@@ -1018,17 +1022,19 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 let now = app.clock.now_ms();
                 let b = &snap.backends[backend];
                 let m = chain[model].model;
-                let still_ready =
-                    b.state.is_ready(now) && b.deployment_state(m).is_some_and(|d| d.is_ready(now));
-                let reserved = still_ready
-                    .then(|| b.deployment_state(m))
-                    .flatten()
-                    .and_then(|d| d.try_reserve(ctx.est_tokens, low_reserve(ctx, m), false, now));
+                let ready = b
+                    .deployment_state(m)
+                    .filter(|d| b.state.is_ready(now) && d.is_ready(now));
+                let reserved = ready.and_then(|d| {
+                    d.try_reserve(ctx.est_tokens, low_reserve(ctx, m), false, now)
+                        .map(|(r, _)| (d, r))
+                });
                 match reserved {
-                    Some((reservation, _)) => (
+                    Some((deployment, reservation)) => (
                         Pick {
                             id: backend,
                             model,
+                            deployment,
                             probes,
                             reservation: Some(reservation),
                         },
@@ -1125,6 +1131,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                                 Pick {
                                     id,
                                     model: ci,
+                                    deployment: dep,
                                     probes: Probes::default(),
                                     reservation,
                                 },
@@ -1139,6 +1146,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         let Pick {
             id,
             model: ci,
+            deployment,
             mut probes,
             mut reservation,
         } = pick;
@@ -1184,10 +1192,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             }
         }
         attempts += 1;
-        let (Some(deployment), Some(dep_name)) = (
-            backend.deployment_state(model),
-            backend.cfg.deployment_for(model),
-        ) else {
+        let Some(dep_name) = backend.cfg.deployment_for(model) else {
             failures.push(Outcome::ConnectError);
             continue;
         };
