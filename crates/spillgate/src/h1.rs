@@ -636,7 +636,12 @@ thread_local! {
 
 /// An empty map: a spare one when this thread has one.
 fn spare_map() -> HeaderMap {
-    SPARE.with_borrow_mut(Vec::pop).unwrap_or_default()
+    // `try_with`: no spare (rather than a panic) while the thread's locals are destroyed.
+    SPARE
+        .try_with(|spare| spare.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default()
 }
 
 /// Empties `map` and keeps it for this thread's next head, when it is not too large and
@@ -646,7 +651,8 @@ pub(crate) fn recycle(mut map: HeaderMap) {
         return;
     }
     map.clear();
-    SPARE.with_borrow_mut(|spare| {
+    let _ = SPARE.try_with(|spare| {
+        let mut spare = spare.borrow_mut();
         if spare.len() < SPARE_MAPS {
             spare.push(map);
         }

@@ -1890,6 +1890,9 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             };
             // A body that came whole with its head (nearly every non-streamed answer) is
             // read and settled now; a stream is not looked at before the client gets it.
+            // Its duration then ends when the gateway has it whole, not when the client's
+            // connection has taken it: for a body of one read (at most 64 KiB), the same
+            // moment, unless the client has stopped reading.
             let taken = if sse {
                 Taken::Partial(Resumed::new(body))
             } else {

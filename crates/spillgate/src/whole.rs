@@ -233,7 +233,12 @@ mod tests {
             panic!("half a body is not whole");
         };
         assert_eq!(body.size_hint().exact(), Some(11));
-        assert_eq!(all(body).await.unwrap(), vec!["hello ", "world"]);
+        let mut body = body;
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(&first[..], b"hello ");
+        // The frame held is given back: what is left is the rest's own.
+        assert_eq!(body.size_hint().exact(), Some(5));
+        assert_eq!(all(body).await.unwrap(), vec!["world"]);
         let Taken::Whole(b) = take_whole(Sized(vec!["all"])) else {
             panic!("a body whose one frame is its end is whole");
         };

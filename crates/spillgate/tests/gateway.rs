@@ -1571,6 +1571,83 @@ async fn tokens_are_counted_per_client_key() {
     assert_eq!(a, 2.0 * b, "same requests, twice as many from A");
 }
 
+/// A backend in memory whose JSON answer (with a usage of 12 tokens) comes as one frame,
+/// or split in two frames.
+struct Answers {
+    split: bool,
+}
+
+const ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":5,"total_tokens":12}}"#;
+
+impl spillgate::upstream::Upstream for Answers {
+    fn send<'a>(
+        &'a self,
+        _: spillgate::upstream::UpstreamRequest<'a>,
+        _: Duration,
+    ) -> futures_util::future::BoxFuture<
+        'a,
+        Result<http::Response<axum::body::Body>, spillgate::upstream::AttemptError>,
+    > {
+        let body = if self.split {
+            let (a, b) = ANSWER.split_at(30);
+            let frames = [a, b].map(|p| {
+                Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from_static(
+                    p.as_bytes(),
+                )))
+            });
+            axum::body::Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+                frames,
+            )))
+        } else {
+            axum::body::Body::from(ANSWER)
+        };
+        let resp = http::Response::builder()
+            .header("content-type", "application/json")
+            .body(body)
+            .unwrap();
+        Box::pin(async move { Ok(resp) })
+    }
+}
+
+/// An answer that is all there when its head comes is settled at once: its tokens are
+/// counted before the client has read any of it. One that is not, when the client has
+/// read it all. Either way the client gets the whole body.
+#[tokio::test]
+async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
+    use tower::ServiceExt;
+    for split in [false, true] {
+        let text = "[admin]\nenabled = false\n[auth]\nmode = \"none\"\n\
+            [[backends]]\nname = \"mem\"\nkind = \"openai\"\nurl = \"http://mem.test/v1\"\n";
+        let config =
+            spillgate_core::config::load(text, &|_| None, &|_| Err("no files".into())).unwrap();
+        let app = App::with_upstream(config, Arc::new(Answers { split })).unwrap();
+        let counted = || {
+            app.metrics.render(&app).lines().any(|l| {
+                l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 12")
+            })
+        };
+        let req = http::Request::post("/v1/chat/completions")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(CHAT))
+            .unwrap();
+        let resp = spillgate::server::router(Arc::clone(&app))
+            .oneshot(req)
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(
+            counted(),
+            !split,
+            "split {split}: counted before the body is read"
+        );
+        assert_eq!(
+            resp.into_body().collect().await.unwrap().to_bytes(),
+            ANSWER.as_bytes()
+        );
+        assert!(counted(), "split {split}: counted once the body is read");
+    }
+}
+
 /// A JSON answer whose body comes in two writes: its first part reaches the client before
 /// the rest is sent (nothing waits for the whole body), the client gets it all with its
 /// length, and its usage is counted as for a body that came whole with its head.
@@ -1619,13 +1696,17 @@ async fn a_json_body_in_pieces_is_passed_on_as_it_comes_and_its_usage_counted() 
         body.len().to_string().as_str()
     );
     let mut resp_body = resp.into_body();
-    let part = tokio::time::timeout(Duration::from_secs(10), resp_body.frame())
-        .await
-        .expect("the first part is passed on before the rest is sent")
-        .unwrap()
-        .unwrap()
-        .into_data()
-        .unwrap();
+    let mut part = Vec::new();
+    while part.len() < first.len() {
+        let frame = tokio::time::timeout(Duration::from_secs(10), resp_body.frame())
+            .await
+            .expect("the first part is passed on before the rest is sent")
+            .unwrap()
+            .unwrap();
+        if let Ok(data) = frame.into_data() {
+            part.extend_from_slice(&data);
+        }
+    }
     assert_eq!(&part[..], first.as_bytes());
     go_on.send(()).unwrap();
     let all = resp_body.collect().await.unwrap().to_bytes();
