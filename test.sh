@@ -153,6 +153,8 @@ SMOKE=1 bench/overhead.sh
 SMOKE=1 bench/ab.sh
 # Instructions per request under callgrind, nginx and the gateway, one short JSON run.
 SMOKE=1 bench/instructions.sh
+# Reading request bodies for their model: each kind of prompt read once.
+SMOKE=1 bench/body.sh
 
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 [[ $TARGET_DIR = /* ]] || TARGET_DIR=$ROOT/$TARGET_DIR
