@@ -18,7 +18,7 @@
 //! body, pipeline, or upgrade. A request is sent again elsewhere only when not a byte of
 //! it was written (see [`SendError`]).
 
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
@@ -130,73 +130,80 @@ impl Conn {
     /// Sends `req` (in origin form, with the connection's `Host`) and reads the response
     /// head. The connection then belongs to the response body, which gives it to
     /// `release` at its end if it can carry another request.
-    pub async fn send<R: Release>(
+    ///
+    /// An `async` block rather than an `async fn`: the future holds the connection and
+    /// `release` once, where an `async fn` kept its arguments and their moved copies
+    /// both (184 bytes more in every request's upstream future).
+    #[allow(clippy::manual_async_fn)]
+    pub fn send<'a, 'r, R: Release + 'a>(
         mut self,
-        req: &UpstreamRequest<'_>,
+        req: &'a UpstreamRequest<'r>,
         release: R,
-    ) -> Result<http::Response<Body<R>>, SendError> {
-        let body = req.body();
-        self.head.clear();
-        encode_head(&mut self.head, req, self.host.as_ref(), body.len());
-        let wrote = match self.write(body).await {
-            Ok(wrote) => wrote,
-            Err((written, e)) => {
-                let e = Error::io("writing the request", &e);
-                return Err(if written == 0 {
-                    SendError::Unsent(e)
-                } else {
-                    SendError::Failed(e)
-                });
-            }
-        };
-        let is_head = req.method() == Method::HEAD;
-        let head = loop {
-            if let Some(head) = parse_head(&mut self.buf).map_err(SendError::Failed)? {
-                // 1xx (100 Continue, 103 Early Hints): the real answer follows.
-                if interim(head.status.as_u16()) {
-                    continue;
+    ) -> impl Future<Output = Result<http::Response<Body<R>>, SendError>> + use<'a, 'r, R> {
+        async move {
+            let body = req.body();
+            self.head.clear();
+            encode_head(&mut self.head, req, self.host.as_ref(), body.len());
+            let wrote = match self.write(body).await {
+                Ok(wrote) => wrote,
+                Err((written, e)) => {
+                    let e = Error::io("writing the request", &e);
+                    return Err(if written == 0 {
+                        SendError::Unsent(e)
+                    } else {
+                        SendError::Failed(e)
+                    });
                 }
-                break head;
+            };
+            let is_head = req.method() == Method::HEAD;
+            let head = loop {
+                if let Some(head) = parse_head(&mut self.buf).map_err(SendError::Failed)? {
+                    // 1xx (100 Continue, 103 Early Hints): the real answer follows.
+                    if interim(head.status.as_u16()) {
+                        continue;
+                    }
+                    break head;
+                }
+                if self.buf.len() >= MAX_HEAD {
+                    return Err(SendError::Failed(Error::new(format!(
+                        "response head over {} KiB",
+                        MAX_HEAD / 1024
+                    ))));
+                }
+                let n = poll_fn(|cx| self.poll_fill(cx))
+                    .await
+                    .map_err(|e| SendError::Failed(Error::io("reading the response", &e)))?;
+                if n == 0 {
+                    return Err(SendError::Failed(Error::new(if self.buf.is_empty() {
+                        "the backend closed the connection before answering"
+                    } else {
+                        "the backend closed the connection in the middle of the response head"
+                    })));
+                }
+            };
+            if head.status == StatusCode::SWITCHING_PROTOCOLS {
+                return Err(SendError::Failed(Error::new(
+                    "the backend switched protocols, which the gateway never asks for",
+                )));
             }
-            if self.buf.len() >= MAX_HEAD {
-                return Err(SendError::Failed(Error::new(format!(
-                    "response head over {} KiB",
-                    MAX_HEAD / 1024
-                ))));
-            }
-            let n = poll_fn(|cx| self.poll_fill(cx))
-                .await
-                .map_err(|e| SendError::Failed(Error::io("reading the response", &e)))?;
-            if n == 0 {
-                return Err(SendError::Failed(Error::new(if self.buf.is_empty() {
-                    "the backend closed the connection before answering"
-                } else {
-                    "the backend closed the connection in the middle of the response head"
-                })));
-            }
-        };
-        if head.status == StatusCode::SWITCHING_PROTOCOLS {
-            return Err(SendError::Failed(Error::new(
-                "the backend switched protocols, which the gateway never asks for",
-            )));
+            let mut headers = head.headers;
+            let (framing, keep_alive) =
+                framing(is_head, head.status, head.version, &mut headers, head.seen)
+                    .map_err(SendError::Failed)?;
+            // Answered before taking the whole request: the rest of it is not sent, so the
+            // connection cannot carry another.
+            let reusable = keep_alive && wrote == Wrote::All;
+            let mut resp = http::Response::new(Body {
+                conn: Some(self),
+                framing,
+                release: reusable.then_some(release),
+            });
+            *resp.status_mut() = head.status;
+            *resp.version_mut() = head.version;
+            *resp.headers_mut() = headers;
+            resp.body_mut().settle();
+            Ok(resp)
         }
-        let mut headers = head.headers;
-        let (framing, keep_alive) =
-            framing(is_head, head.status, head.version, &mut headers, head.seen)
-                .map_err(SendError::Failed)?;
-        // Answered before taking the whole request: the rest of it is not sent, so the
-        // connection cannot carry another.
-        let reusable = keep_alive && wrote == Wrote::All;
-        let mut resp = http::Response::new(Body {
-            conn: Some(self),
-            framing,
-            release: reusable.then_some(release),
-        });
-        *resp.status_mut() = head.status;
-        *resp.version_mut() = head.version;
-        *resp.headers_mut() = headers;
-        resp.body_mut().settle();
-        Ok(resp)
     }
 
     /// Writes the head and then `body`, unless the backend refuses it first (a request too

@@ -310,13 +310,30 @@ impl Upstream for UpstreamClient {
 }
 
 /// A backend origin: where a pooled connection leads.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Eq)]
 struct Origin {
     scheme: Scheme,
     authority: Authority,
 }
 
+impl PartialEq for Origin {
+    /// As `http` compares them (the authority's case does not matter), with the exact
+    /// bytes tried first: the pool compares origins on every request, and the same
+    /// backend's URL gives the same bytes, where a comparison without case went a byte
+    /// at a time.
+    fn eq(&self, other: &Origin) -> bool {
+        self.scheme == other.scheme
+            && (self.authority.as_str() == other.authority.as_str()
+                || self.authority == other.authority)
+    }
+}
+
 impl Inner {
+    /// Sends `req` on a pooled connection to its origin, else on a new one. The
+    /// request's future is boxed per attempt: what it keeps across its waits is held in
+    /// scopes that end before the next wait, so that it stays within the size glibc's
+    /// per-thread cache serves (1,032 bytes; a larger allocation took about 300
+    /// instructions more to make and free).
     async fn request(
         &self,
         slot: usize,
@@ -327,24 +344,33 @@ impl Inner {
             authority: req.authority.clone(),
         };
         let pool = &self.pools[slot];
-        let pooled = lock(pool).take(&origin, Instant::now());
-        let reused = pooled.is_some();
-        let conn = match pooled {
-            Some(c) => c,
-            // Boxed: the connect future is kilobytes; inline, it would make every
-            // request's future that large, copied as it is set up.
-            None => Box::pin(self.connect(pool, &origin)).await?,
-        };
-        match send_on(conn, req, pool, &origin).await {
+        let (conn, reused) = self.conn_for(pool, &origin).await?;
+        {
+            let sent = send_on(conn, req, pool, &origin).await;
             // A pooled connection the backend closed (or sent GOAWAY on) just as it was
             // taken: the request was not written, so it goes once more, on a new
             // connection. A request that may have been written is never sent again.
-            Err(h1::SendError::Unsent(_)) if reused => {
-                let conn = Box::pin(self.connect(pool, &origin)).await?;
-                Ok(send_on(conn, req, pool, &origin).await?)
+            if !(reused && matches!(sent, Err(h1::SendError::Unsent(_)))) {
+                return Ok(sent?);
             }
-            sent => Ok(sent?),
         }
+        let conn = Box::pin(self.connect(pool, &origin)).await?;
+        Ok(send_on(conn, req, pool, &origin).await?)
+    }
+
+    /// A connection to `origin`: a pooled one (then `true`), else a new one.
+    async fn conn_for(
+        &self,
+        pool: &SharedPool,
+        origin: &Origin,
+    ) -> Result<(Conn<H1, H2>, bool), AttemptError> {
+        let pooled = lock(pool).take(origin, Instant::now());
+        Ok(match pooled {
+            Some(c) => (c, true),
+            // Boxed: the connect future is kilobytes; inline, it would make every
+            // request's future that large, copied as it is set up.
+            None => (Box::pin(self.connect(pool, origin)).await?, false),
+        })
     }
 
     /// Opens a connection to `origin`, HTTP/2 when the backend picks it by ALPN (kept in
@@ -412,40 +438,50 @@ impl From<h1::SendError> for AttemptError {
 
 /// Sends `req` on `conn`: over HTTP/1.1 in origin form with the connection's `Host`, the
 /// connection going back to `pool` when the response body ends; over HTTP/2 with the
-/// authority in the URI and no `Host`.
-async fn send_on(
+/// authority in the URI and no `Host`. Not an `async fn`, which would hold the connection
+/// twice (as its argument and as the branch's); the HTTP/2 branch is boxed, its future
+/// being the larger and its requests costing far more than an allocation.
+fn send_on<'a>(
     conn: Conn<H1, H2>,
-    req: &UpstreamRequest<'_>,
+    req: &'a UpstreamRequest<'_>,
     pool: &SharedPool,
     origin: &Origin,
-) -> Result<http::Response<Body>, h1::SendError> {
+) -> impl std::future::Future<Output = Result<http::Response<Body>, h1::SendError>> + use<'a> {
+    use futures_util::future::Either;
+    use futures_util::FutureExt;
     match conn {
         Conn::H1(h1) => {
             let give_back = GiveBack {
                 pool: Arc::downgrade(pool),
                 origin: origin.clone(),
             };
-            Ok(h1.send(req, give_back).await?.map(Body::new))
+            Either::Left(h1.send(req, give_back).map(|sent| Ok(sent?.map(Body::new))))
         }
-        Conn::H2(mut h2) => {
-            let mut req = req
-                .to_http()
-                .map_err(|e| h1::SendError::Failed(h1::Error::new(e.to_string())))?;
-            // HTTP/2 carries the authority in the request's `:authority`, from its URI,
-            // and the body's length in its frames: a client's `Content-Length` (its body
-            // may have been changed since) is not sent.
-            req.headers_mut().remove(header::HOST);
-            req.headers_mut().remove(header::CONTENT_LENGTH);
-            match h2.try_send_request(req).await {
-                Ok(resp) => Ok(resp.map(Body::new)),
-                Err(mut e) => {
-                    let error = h1::Error::new(error_chain(e.error()));
-                    Err(match e.take_message() {
-                        Some(_) => h1::SendError::Unsent(error),
-                        None => h1::SendError::Failed(error),
-                    })
-                }
-            }
+        Conn::H2(h2) => Either::Right(Box::pin(send_h2(h2, req))),
+    }
+}
+
+/// [`send_on`] over HTTP/2.
+async fn send_h2(
+    mut h2: H2,
+    req: &UpstreamRequest<'_>,
+) -> Result<http::Response<Body>, h1::SendError> {
+    let mut req = req
+        .to_http()
+        .map_err(|e| h1::SendError::Failed(h1::Error::new(e.to_string())))?;
+    // HTTP/2 carries the authority in the request's `:authority`, from its URI, and the
+    // body's length in its frames: a client's `Content-Length` (its body may have been
+    // changed since) is not sent.
+    req.headers_mut().remove(header::HOST);
+    req.headers_mut().remove(header::CONTENT_LENGTH);
+    match h2.try_send_request(req).await {
+        Ok(resp) => Ok(resp.map(Body::new)),
+        Err(mut e) => {
+            let error = h1::Error::new(error_chain(e.error()));
+            Err(match e.take_message() {
+                Some(_) => h1::SendError::Unsent(error),
+                None => h1::SendError::Failed(error),
+            })
         }
     }
 }
@@ -576,11 +612,10 @@ impl<A: Reusable, B: Reusable + Clone> Pool<A, B> {
         &mut self.origins[i].1
     }
 
-    /// Keeps an HTTP/1.1 connection whose response has ended.
-    fn put(&mut self, origin: &Origin, mut conn: A, now: Instant) {
-        if conn.is_closed() {
-            return;
-        }
+    /// Keeps an HTTP/1.1 connection whose response has ended. Whether the backend has
+    /// closed it is looked at when it is taken (and by the sweeps), not here as well:
+    /// the response was just read from it, and a close comes later if at all.
+    fn put(&mut self, origin: &Origin, conn: A, now: Instant) {
         let idle = self.idle_or_new(origin);
         if idle.h1.len() >= MAX_IDLE_PER_ORIGIN {
             idle.h1.remove(0);
@@ -1214,8 +1249,10 @@ mod tests {
         assert_eq!(pool.idle_h1(&o), 0);
         assert_eq!(taken_h1(pool.take(&o, now)), None);
         assert_eq!(taken_h1(pool.take(&origin(2), now)), None);
-        // A closed connection is not kept at all.
+        // A connection closed when it is given back is dropped when next taken.
         pool.put(&o, b, now);
+        assert_eq!(pool.idle_h1(&o), 1);
+        assert_eq!(taken_h1(pool.take(&o, now)), None);
         assert_eq!(pool.idle_h1(&o), 0);
         // Origins are kept apart.
         pool.put(&origin(2), Fake::new(20), now);
@@ -1225,6 +1262,34 @@ mod tests {
         assert_eq!(taken_h1(pool.take(&origin(3), now)), Some(30));
         assert_eq!(taken_h1(pool.take(&o, now)), Some(10));
         assert_eq!(taken_h1(pool.take(&origin(2), now)), None);
+    }
+
+    #[test]
+    fn origins_compare_as_http_does_whatever_the_case() {
+        let at = |scheme: Scheme, authority: &str| Origin {
+            scheme,
+            authority: authority.parse().unwrap(),
+        };
+        assert_eq!(
+            at(Scheme::HTTPS, "res.openai.azure.com"),
+            at(Scheme::HTTPS, "res.openai.azure.com")
+        );
+        assert_eq!(
+            at(Scheme::HTTPS, "Res.OpenAI.Azure.com"),
+            at(Scheme::HTTPS, "res.openai.azure.com")
+        );
+        assert_ne!(
+            at(Scheme::HTTP, "res.openai.azure.com"),
+            at(Scheme::HTTPS, "res.openai.azure.com")
+        );
+        assert_ne!(
+            at(Scheme::HTTPS, "res.openai.azure.com:8443"),
+            at(Scheme::HTTPS, "res.openai.azure.com")
+        );
+        assert_ne!(
+            at(Scheme::HTTPS, "res1.openai.azure.com"),
+            at(Scheme::HTTPS, "res2.openai.azure.com")
+        );
     }
 
     #[tokio::test(start_paused = true)]
