@@ -244,11 +244,24 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
     }
 }
 
+/// A response to an API request, and whether it is a backend's.
+pub enum Answer {
+    /// Ended by the attempt loop: a backend's answer, or the gateway's when none gave
+    /// one (`x-spillgate-attempts` says how many were asked); counted by the proxy.
+    Upstream(Response),
+    /// The gateway's own, before any backend was chosen (401, 400, 404, 408, 413, the
+    /// model list); the caller counts it. `low`: the request asked for low priority
+    /// (with request priority on).
+    Local { response: Response, low: bool },
+}
+
 /// Serves one API request; `request_id` goes upstream in `x-request-id`.
-pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Response {
+pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Answer {
     let started = tokio::time::Instant::now();
     let snap = app.snapshot.load_full();
     let (mut parts, body) = req.into_parts();
+    let low = crate::priority::treated_as_low(&snap.config, &parts.headers, parts.uri.query());
+    let local = |response| Answer::Local { response, low };
     let path = parts.uri.path();
     let route = classify_path(parts.method.as_str(), path);
 
@@ -257,7 +270,9 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
     let client = match (&route, snap.client_keys.authenticate(&parts.headers)) {
         (ApiRoute::NotFound, _) => Client::Anonymous,
         (_, Some(c)) => c,
-        (_, None) => return reject_unread(rejected(GatewayError::unauthorized()), body).await,
+        (_, None) => {
+            return local(reject_unread(rejected(GatewayError::unauthorized()), body).await)
+        }
     };
     let (shape, deployment, operation) = match route {
         ApiRoute::NotFound => {
@@ -265,12 +280,12 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
                 "Unknown path `{}`.",
                 truncate(path)
             )));
-            return reject_unread(resp, body).await;
+            return local(reject_unread(resp, body).await);
         }
-        ApiRoute::ListModels => return list_models(&snap),
+        ApiRoute::ListModels => return local(list_models(&snap)),
         ApiRoute::Invalid(why) => {
             let resp = rejected(GatewayError::bad_request("invalid_path", why));
-            return reject_unread(resp, body).await;
+            return local(reject_unread(resp, body).await);
         }
         ApiRoute::Operation {
             shape,
@@ -292,7 +307,7 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
             let mut resp = rejected(e);
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            return resp;
+            return local(resp);
         }
     };
 
@@ -311,7 +326,6 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
         Some(b) => (Bytes::from(b), true),
         None => (body, false),
     };
-    let low = crate::priority::treated_as_low(&snap.config, &parts.headers, parts.uri.query());
 
     let (model, body_info) = match deployment {
         Some(d) => (d.to_string(), None),
@@ -321,20 +335,26 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
             Ok(mut info) => match info.model.take() {
                 Some(m) if !is_safe_name(&m) => {
                     tracing::info!(model = ?truncate(&m), status = 400, code = "invalid_model", "request rejected: invalid model name");
-                    return GatewayError::bad_request(
+                    return local(GatewayError::bad_request(
                         "invalid_model",
                         "`model` may contain only letters, digits, '-', '_', '.' and ':' (at most 256 characters).",
                     )
-                    .into_response();
+                    .into_response());
                 }
                 Some(m) => (m, Some(info)),
-                None => return rejected(missing_model(&parts.method, path)),
+                None => return local(rejected(missing_model(&parts.method, path))),
             },
             Err(e @ BodyError::InvalidJson(_)) => {
-                return rejected(GatewayError::bad_request("invalid_json", e.to_string()))
+                return local(rejected(GatewayError::bad_request(
+                    "invalid_json",
+                    e.to_string(),
+                )))
             }
             Err(e @ BodyError::ModelNotString) => {
-                return rejected(GatewayError::bad_request("invalid_model", e.to_string()))
+                return local(rejected(GatewayError::bad_request(
+                    "invalid_model",
+                    e.to_string(),
+                )))
             }
         },
     };
@@ -349,7 +369,7 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
     let table = &snap.config.table;
     let Some(route_id) = table.route_for(&req.model, &snap.config.backends) else {
         tracing::info!(model = %req.model, client = client.name(), status = 404, code = "model_not_found", "no backend serves this model");
-        return GatewayError::new(
+        return local(GatewayError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "model_not_found",
@@ -358,7 +378,7 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
                 req.model
             ),
         )
-        .into_response();
+        .into_response());
     };
 
     let mut guard = DisconnectGuard {
@@ -423,7 +443,7 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Res
     let resp = finish(outcome, &ctx, &client, &app);
     drop(ctx);
     crate::h1::recycle(std::mem::take(&mut parts.headers));
-    resp
+    Answer::Upstream(resp)
 }
 
 /// Logs a request whose client went away before it was answered. The client connection

@@ -112,28 +112,27 @@ async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Reques
     let id = header.to_str().unwrap_or("-");
     let span = tracing::info_span!("req", request_id = %id);
     let Some(probes) = probes else {
-        let low = crate::priority::treated_as_low(
-            &app.snapshot.load().config,
-            req.headers(),
-            req.uri().query(),
-        );
-        let mut resp = crate::proxy::handle(Arc::clone(&app), req, header.clone())
+        let answer = crate::proxy::handle(Arc::clone(&app), req, header.clone())
             .instrument(span)
             .await;
-        if !resp.headers().contains_key(&crate::proxy::HEADER_ATTEMPTS) {
-            app.metrics
-                .requests
-                .get_or_create(&vec![
-                    ("backend", "-".into()),
-                    (
-                        "status_class",
-                        crate::metrics::status_class(resp.status().as_u16()),
-                    ),
-                    ("priority", if low { "low" } else { "high" }.into()),
-                    ("model", "-".into()),
-                ])
-                .inc();
-        }
+        let mut resp = match answer {
+            crate::proxy::Answer::Upstream(resp) => resp,
+            crate::proxy::Answer::Local { response, low } => {
+                app.metrics
+                    .requests
+                    .get_or_create(&vec![
+                        ("backend", "-".into()),
+                        (
+                            "status_class",
+                            crate::metrics::status_class(response.status().as_u16()),
+                        ),
+                        ("priority", if low { "low" } else { "high" }.into()),
+                        ("model", "-".into()),
+                    ])
+                    .inc();
+                response
+            }
+        };
         resp.headers_mut()
             .insert(crate::proxy::HEADER_REQUEST_ID, header);
         return resp;
