@@ -743,14 +743,17 @@ fn encode_head(
             .as_bytes(),
     );
     out.extend_from_slice(b"\r\n");
+    // Whether the handler gave a `Date`, noted on the way (a lookup hashes the name).
+    let mut dated = false;
     for (name, value) in &parts.headers {
         if *name == header::CONNECTION {
             *reusable &= !h1::has_token(value, "close");
         } else if *name != header::TRANSFER_ENCODING && *name != header::CONTENT_LENGTH {
+            dated |= *name == header::DATE;
             h1::header_line(out, name, value);
         }
     }
-    if !parts.headers.contains_key(header::DATE) {
+    if !dated {
         out.extend_from_slice(b"date: ");
         push_date(out);
         out.extend_from_slice(b"\r\n");
@@ -906,11 +909,12 @@ mod tests {
             }
             "/big" => http::Response::new(full(vec![b'x'; BIG])),
             "/framed" => {
-                // Framing headers of its own: a wrong length, and a close.
+                // Framing headers of its own: a wrong length, and a close; and a date.
                 let mut r = http::Response::new(full("framed"));
                 let h = r.headers_mut();
                 h.insert(header::CONTENT_LENGTH, http::HeaderValue::from_static("99"));
                 h.insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+                h.insert(header::DATE, http::HeaderValue::from_static(FRAMED_DATE));
                 r
             }
             "/sized" => {
@@ -944,6 +948,9 @@ mod tests {
             }
         }
     }
+
+    /// The `Date` `/framed` gives.
+    const FRAMED_DATE: &str = "Sun, 06 Nov 2005 08:48:37 GMT";
 
     /// The size of `/big`'s body: far more than the kernel's socket buffers hold.
     const BIG: usize = 32 << 20;
@@ -1154,6 +1161,9 @@ mod tests {
         assert!(!head.contains("99"), "{head}");
         assert_eq!(head.matches("connection").count(), 1, "{head}");
         assert!(head.contains("connection: close\r\n"), "{head}");
+        // The handler's date, and no other.
+        assert_eq!(head.matches("date: ").count(), 1, "{head}");
+        assert!(head.contains(&format!("date: {FRAMED_DATE}\r\n")), "{head}");
         assert_eq!(body, "framed");
         assert!(closed(&mut sock).await);
         // To HEAD, the handler's length is the one a GET would get.
