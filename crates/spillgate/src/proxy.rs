@@ -229,6 +229,21 @@ struct Classified<'a> {
     model: String,
     /// The body as read for its model, without the model: that is `model`.
     body_info: Option<BodyInfo>,
+    /// `model` as the response's `x-spillgate-model`, when the body holds it as it is:
+    /// its bytes shared with the body's, not copied into a value of their own.
+    model_header: Option<HeaderValue>,
+}
+
+/// The value of `x-spillgate-model` for a `model` read from `body` at `info`'s span (its
+/// quotes included), sharing the body's bytes; `None` when the text there is not the
+/// model as it is (an escape in it).
+fn model_header(body: &Bytes, info: &BodyInfo, model: &str) -> Option<HeaderValue> {
+    let (start, end) = info.model_span?;
+    let text = body.get(start + 1..end.checked_sub(1)?)?;
+    if text != model.as_bytes() {
+        return None;
+    }
+    HeaderValue::from_maybe_shared(body.slice(start + 1..end - 1)).ok()
 }
 
 fn missing_model(method: &Method, path: &str) -> GatewayError {
@@ -358,12 +373,16 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Ans
             }
         },
     };
+    let model_header = body_info
+        .as_ref()
+        .and_then(|info| model_header(&body, info, &model));
     let req = Classified {
         shape,
         operation,
         query: parts.uri.query(),
         model,
         body_info,
+        model_header,
     };
 
     let table = &snap.config.table;
@@ -1844,7 +1863,8 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             }
             headers.insert(HEADER_BACKEND, b.name_header.clone());
             headers.insert(HEADER_ATTEMPTS, attempts_value(attempts));
-            if let Ok(v) = HeaderValue::from_str(served_model) {
+            let own = req.model_header.clone().filter(|_| model == 0);
+            if let Some(v) = own.or_else(|| HeaderValue::from_str(served_model).ok()) {
                 headers.insert(HEADER_MODEL, v);
             }
             tracing::info!(
@@ -2131,6 +2151,23 @@ mod tests {
             ],
         )));
         assert_eq!(collect_body(broken, 4).await, Err(BodyRead::Broken));
+    }
+
+    #[test]
+    fn the_model_header_shares_the_body_only_when_it_holds_the_model_as_it_is() {
+        let header_of = |json: &'static str| {
+            let body = Bytes::from_static(json.as_bytes());
+            let info = inspect_body(&body).unwrap();
+            let model = info.model.clone().unwrap();
+            (model_header(&body, &info, &model), model)
+        };
+        let (plain, model) = header_of(r#"{"messages":[],"model":"gpt-4o","stream":true}"#);
+        assert_eq!(model, "gpt-4o");
+        assert_eq!(plain.unwrap(), "gpt-4o");
+        // The parser's reading of an escaped name: the text differs, so no shared value.
+        let (escaped, model) = header_of(r#"{"model":"gpt\u002d4o"}"#);
+        assert_eq!(model, "gpt-4o");
+        assert_eq!(escaped, None);
     }
 
     #[test]
