@@ -356,9 +356,6 @@ pub async fn serve<S, B>(
         // 2,560 to 1,792 (release build, `-Zprint-type-sizes`).
         let (resp, method, version, keep_alive) = {
             let next = poll_fn(|cx| {
-                if stop_signal.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Next::End);
-                }
                 let mut input = lock(&shared);
                 loop {
                     if input.may_hold_head() || input.buf.len() > limits.max_head {
@@ -377,6 +374,13 @@ pub async fn serve<S, B>(
                         Poll::Ready(Ok(_)) => {}
                         Poll::Pending => break,
                     }
+                }
+                // Looked at only while the connection waits: a request already there is
+                // answered (and the connection then closed, `stopped` being read after
+                // each response), and polling the signal's `Notify` with every request
+                // cost about 190 instructions.
+                if stop_signal.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Next::End);
                 }
                 if timer.as_mut().poll(cx).is_pending() {
                     return Poll::Pending;
@@ -1077,6 +1081,29 @@ mod tests {
         let mut sock = TcpStream::connect(addr).await.unwrap();
         sock.write_all(send).await.unwrap();
         sock
+    }
+
+    #[tokio::test]
+    async fn stopping_closes_waiting_connections_and_answers_a_request_in_progress_first() {
+        let (addr, _seen, stop) = server(LIMITS).await;
+        // Kept alive after its answer, then waiting for its next request.
+        let mut idle = connect(addr, b"GET /early HTTP/1.1\r\n\r\n").await;
+        assert_eq!(response(&mut idle, &mut Vec::new()).await.1, "early");
+        // Waiting for the rest of a head.
+        let mut partial = connect(addr, b"GET /early HTTP/1.1\r\nhost:").await;
+        // Its request read, its answer pending.
+        let mut busy = connect(addr, b"GET /pending HTTP/1.1\r\n\r\n").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stop.send(true).unwrap();
+        assert!(closed(&mut idle).await);
+        assert!(closed(&mut partial).await);
+        // The request in progress is not cut: its connection stays open while it runs.
+        let mut b = [0u8; 1];
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), busy.read(&mut b))
+                .await
+                .is_err()
+        );
     }
 
     #[tokio::test]
