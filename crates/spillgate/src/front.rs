@@ -1084,7 +1084,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn stopping_closes_waiting_connections_and_answers_a_request_in_progress_first() {
+    async fn stopping_closes_waiting_connections_and_not_one_whose_request_runs() {
         let (addr, _seen, stop) = server(LIMITS).await;
         // Kept alive after its answer, then waiting for its next request.
         let mut idle = connect(addr, b"GET /early HTTP/1.1\r\n\r\n").await;

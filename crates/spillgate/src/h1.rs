@@ -135,7 +135,7 @@ impl Conn {
     /// `release` once, where an `async fn` kept its arguments and their moved copies
     /// both (184 bytes more in every request's upstream future).
     #[allow(clippy::manual_async_fn)]
-    pub fn send<'a, 'r, R: Release + 'a>(
+    pub fn send<'a, 'r, R: Release>(
         mut self,
         req: &'a UpstreamRequest<'r>,
         release: R,

@@ -270,7 +270,9 @@ pub enum Answer {
     Local { response: Response, low: bool },
 }
 
-/// Serves one API request; `request_id` goes upstream in `x-request-id`.
+/// Serves one API request; `request_id` goes upstream in `x-request-id`. The answer
+/// says whether the attempt loop ended it (and counted it) or the gateway answered
+/// before choosing a backend (the caller counts those).
 pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Answer {
     let started = tokio::time::Instant::now();
     let snap = app.snapshot.load_full();
@@ -2161,9 +2163,16 @@ mod tests {
             let model = info.model.clone().unwrap();
             (model_header(&body, &info, &model), model)
         };
-        let (plain, model) = header_of(r#"{"messages":[],"model":"gpt-4o","stream":true}"#);
+        let json = r#"{"messages":[],"model":"gpt-4o","stream":true}"#;
+        let (plain, model) = header_of(json);
         assert_eq!(model, "gpt-4o");
-        assert_eq!(plain.unwrap(), "gpt-4o");
+        let plain = plain.unwrap();
+        assert_eq!(plain, "gpt-4o");
+        // The value's bytes are the body's own, not a copy.
+        assert!(json
+            .as_bytes()
+            .as_ptr_range()
+            .contains(&plain.as_bytes().as_ptr()));
         // The parser's reading of an escaped name: the text differs, so no shared value.
         let (escaped, model) = header_of(r#"{"model":"gpt\u002d4o"}"#);
         assert_eq!(model, "gpt-4o");

@@ -331,3 +331,65 @@ async fn deployments_that_cannot_take_a_request_are_passed_over_not_tried() {
         "ptu {ptu_rps:.2} req/s of {ptu_capacity:.2}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_gateways_own_answers_are_counted_once_with_their_priority() {
+    let sim = SimUpstream::new(&[("ptu", limits(600_000, 6_000), Duration::ZERO)]);
+    let (app, router) = gateway(&[("ptu", 1)], sim, 0, 0);
+    let send = |req: http::request::Builder, body: Bytes| {
+        let router = router.clone();
+        async move {
+            router
+                .oneshot(req.body(Body::from(body)).unwrap())
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    let post = || http::Request::post("/v1/chat/completions");
+    // No key (401), and a body that is not JSON (400): both low priority.
+    let status = send(post().header("x-priority", "low"), body()).await;
+    assert_eq!(status, 401);
+    let broken = Bytes::from_static(br#"{"model":"#);
+    let status = send(
+        post().header("api-key", KEY).header("x-priority", "low"),
+        broken,
+    )
+    .await;
+    assert_eq!(status, 400);
+    // The model list (high priority), and one request a backend answers.
+    let models = http::Request::get("/v1/models").header("api-key", KEY);
+    assert_eq!(send(models, Bytes::new()).await, 200);
+    assert_eq!(send(post().header("api-key", KEY), body()).await, 200);
+    let metrics = app.metrics.render(&app);
+    let count = |labels: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("spillgate_requests_total{{{labels}}} ")))
+            .map(|v| v.trim().to_string())
+    };
+    assert_eq!(
+        count(r#"backend="-",status_class="4xx",priority="low",model="-""#).as_deref(),
+        Some("2"),
+        "{metrics}"
+    );
+    assert_eq!(
+        count(r#"backend="-",status_class="2xx",priority="high",model="-""#).as_deref(),
+        Some("1"),
+        "{metrics}"
+    );
+    // The backend's answer is counted by the proxy, under its backend, and only there.
+    let answered: Vec<&str> = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("spillgate_requests_total{") && l.contains("status_class=\"2xx\"")
+        })
+        .collect();
+    assert_eq!(answered.len(), 2, "{metrics}");
+    assert!(
+        answered
+            .iter()
+            .any(|l| l.contains("backend=\"ptu\"") && l.ends_with(" 1")),
+        "{metrics}"
+    );
+}
