@@ -229,21 +229,17 @@ struct Classified<'a> {
     model: String,
     /// The body as read for its model, without the model: that is `model`.
     body_info: Option<BodyInfo>,
-    /// `model` as the response's `x-spillgate-model`, when the body holds it as it is:
-    /// its bytes shared with the body's, not copied into a value of their own.
-    model_header: Option<HeaderValue>,
 }
 
 /// The value of `x-spillgate-model` for a `model` read from `body` at `info`'s span (its
-/// quotes included), sharing the body's bytes; `None` when the text there is not the
-/// model as it is (an escape in it).
+/// quotes included), sharing the body's bytes rather than a copy of its own; `None` when
+/// the text there is not the model as it is (an escape in it).
 fn model_header(body: &Bytes, info: &BodyInfo, model: &str) -> Option<HeaderValue> {
     let (start, end) = info.model_span?;
     let text = body.get(start + 1..end.checked_sub(1)?)?;
-    if text != model.as_bytes() {
-        return None;
-    }
-    HeaderValue::from_maybe_shared(body.slice(start + 1..end - 1)).ok()
+    (text == model.as_bytes())
+        .then(|| HeaderValue::from_maybe_shared(body.slice_ref(text)).ok())
+        .flatten()
 }
 
 fn missing_model(method: &Method, path: &str) -> GatewayError {
@@ -259,26 +255,18 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
     }
 }
 
-/// A response to an API request, and whether it is a backend's.
-pub enum Answer {
-    /// Ended by the attempt loop: a backend's answer, or the gateway's when none gave
-    /// one (`x-spillgate-attempts` says how many were asked); counted by the proxy.
-    Upstream(Response),
-    /// The gateway's own, before any backend was chosen (401, 400, 404, 408, 413, the
-    /// model list); the caller counts it. `low`: the request asked for low priority
-    /// (with request priority on).
-    Local { response: Response, low: bool },
-}
-
-/// Serves one API request; `request_id` goes upstream in `x-request-id`. The answer
-/// says whether the attempt loop ended it (and counted it) or the gateway answered
-/// before choosing a backend (the caller counts those).
-pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Answer {
+/// Serves one API request; `request_id` goes upstream in `x-request-id`. Every request
+/// is counted in `spillgate_requests_total` once: by the attempt loop's end when it ran,
+/// else here, as the gateway's own answer (backend and model `-`).
+pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Response {
     let started = tokio::time::Instant::now();
     let snap = app.snapshot.load_full();
     let (mut parts, body) = req.into_parts();
     let low = crate::priority::treated_as_low(&snap.config, &parts.headers, parts.uri.query());
-    let local = |response| Answer::Local { response, low };
+    let local = |response: Response| {
+        record_local(&app, response.status().as_u16(), low);
+        response
+    };
     let path = parts.uri.path();
     let route = classify_path(parts.method.as_str(), path);
 
@@ -375,16 +363,12 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Ans
             }
         },
     };
-    let model_header = body_info
-        .as_ref()
-        .and_then(|info| model_header(&body, info, &model));
     let req = Classified {
         shape,
         operation,
         query: parts.uri.query(),
         model,
         body_info,
-        model_header,
     };
 
     let table = &snap.config.table;
@@ -464,7 +448,7 @@ pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Ans
     let resp = finish(outcome, &ctx, &client, &app);
     drop(ctx);
     crate::h1::recycle(std::mem::take(&mut parts.headers));
-    Answer::Upstream(resp)
+    resp
 }
 
 /// Logs a request whose client went away before it was answered. The client connection
@@ -1792,6 +1776,20 @@ fn record_request(ctx: &Ctx<'_>, backend: Option<usize>, status: u16) {
     ctx.snap.handles.requests.with(key, make, |c| c.inc());
 }
 
+/// Counts a request the gateway answered itself before choosing a backend (401, 400,
+/// 404, 408, 413, the model list): rare, so looked up by its labels.
+fn record_local(app: &App, status: u16, low: bool) {
+    app.metrics
+        .requests
+        .get_or_create(&vec![
+            ("backend", "-".into()),
+            ("status_class", crate::metrics::status_class(status)),
+            ("priority", if low { "low" } else { "high" }.into()),
+            ("model", "-".into()),
+        ])
+        .inc();
+}
+
 /// An attempt that ended for want of a usable token: a connect failure, and the request
 /// fails over with reason `auth`.
 fn auth_failed(failures: &mut Vec<Outcome>, id: BackendId) -> Option<(BackendId, Label)> {
@@ -1865,7 +1863,12 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             }
             headers.insert(HEADER_BACKEND, b.name_header.clone());
             headers.insert(HEADER_ATTEMPTS, attempts_value(attempts));
-            let own = req.model_header.clone().filter(|_| model == 0);
+            // The request's own model, read from its body: the body's bytes.
+            let own = req
+                .body_info
+                .as_ref()
+                .filter(|_| model == 0)
+                .and_then(|info| model_header(&ctx.body, info, &req.model));
             if let Some(v) = own.or_else(|| HeaderValue::from_str(served_model).ok()) {
                 headers.insert(HEADER_MODEL, v);
             }

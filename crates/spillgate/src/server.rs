@@ -94,9 +94,8 @@ fn new_request_id() -> http::HeaderValue {
 
 /// Gives every request an id (the client's `x-request-id` when present and sane, else a
 /// new one), carried by every log line of the request, sent upstream and returned in
-/// `x-request-id`. Also counts the requests the gateway answers before any backend is
-/// involved (401, 400, 404, 408, 413, model lists), which the proxy does not see through.
-/// `probes` serves `/healthz` and `/readyz` (not counted); the proxy serves the rest.
+/// `x-request-id`. `probes` serves `/healthz` and `/readyz` (not counted); the proxy
+/// serves (and counts) the rest.
 async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Request) -> Response {
     use tower::ServiceExt;
     use tracing::Instrument;
@@ -112,27 +111,9 @@ async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Reques
     let id = header.to_str().unwrap_or("-");
     let span = tracing::info_span!("req", request_id = %id);
     let Some(probes) = probes else {
-        let answer = crate::proxy::handle(Arc::clone(&app), req, header.clone())
+        let mut resp = crate::proxy::handle(Arc::clone(&app), req, header.clone())
             .instrument(span)
             .await;
-        let mut resp = match answer {
-            crate::proxy::Answer::Upstream(resp) => resp,
-            crate::proxy::Answer::Local { response, low } => {
-                app.metrics
-                    .requests
-                    .get_or_create(&vec![
-                        ("backend", "-".into()),
-                        (
-                            "status_class",
-                            crate::metrics::status_class(response.status().as_u16()),
-                        ),
-                        ("priority", if low { "low" } else { "high" }.into()),
-                        ("model", "-".into()),
-                    ])
-                    .inc();
-                response
-            }
-        };
         resp.headers_mut()
             .insert(crate::proxy::HEADER_REQUEST_ID, header);
         return resp;
