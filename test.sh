@@ -155,6 +155,8 @@ SMOKE=1 bench/ab.sh
 SMOKE=1 bench/instructions.sh
 # Reading request bodies for their model: each kind of prompt read once.
 SMOKE=1 bench/body.sh
+# The profile-guided build's training load, a second of each, against the debug build.
+SMOKE=1 bench/pgo.sh
 
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 [[ $TARGET_DIR = /* ]] || TARGET_DIR=$ROOT/$TARGET_DIR

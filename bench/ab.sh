@@ -10,6 +10,9 @@
 #                                       # Azure's x-ratelimit-* headers
 #   ROUNDS=8 PASS_SECS=4 bench/ab.sh 20ee176  # passes of each build (6), seconds each (4)
 #   SMOKE=1 bench/ab.sh                 # seconds, the debug build against itself
+#   SPILLGATE_BIN=target/pgo/release/spillgate bench/ab.sh HEAD
+#                                       # that binary (bench/pgo.sh's) in place of the
+#                                       # working tree's plain release build
 #
 # The other commit is built in a git worktree, into target/ab (kept between runs: after
 # the first, only the gateway's own crates build again). wrk -c64 (two threads) against
@@ -29,7 +32,7 @@ fi
 . bench/lib.sh
 need wrk wrk
 build_bins
-NEW=$BIN/spillgate
+NEW=$GATEWAY
 if [[ -n ${SMOKE:-} ]]; then
     OLD=$NEW
     OLD_NAME="the same build"
@@ -94,6 +97,8 @@ echo "|---|---|---:|---:|---:|"
 body=json
 [[ -n ${SDK:-} ]] && body=sdk
 echo "| $OLD_NAME | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${old_rps[@]}") | $(median_range %.2f "${old_cpu[@]}") |"
-echo "| working tree | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${new_rps[@]}") | $(median_range %.2f "${new_cpu[@]}") |"
+NEW_NAME="working tree"
+[[ -n ${SPILLGATE_BIN:-} ]] && NEW_NAME=$SPILLGATE_BIN
+echo "| $NEW_NAME | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${new_rps[@]}") | $(median_range %.2f "${new_cpu[@]}") |"
 echo
-echo "CPU a request, working tree against $OLD_NAME (medians): ${ratio}×"
+echo "CPU a request, $NEW_NAME against $OLD_NAME (medians): ${ratio}×"

@@ -10,6 +10,7 @@
 #                                  # (what ./test.sh runs)
 #   KEEP=/tmp/cg bench/instructions.sh  # also keep the callgrind dumps (for callgrind_annotate)
 #   ONLY=json bench/instructions.sh  # one body only (json, sdk or sse)
+#   SPILLGATE_BIN=target/pgo/release/spillgate bench/instructions.sh  # that gateway binary
 #
 # `sdk` is the JSON request with the headers the OpenAI Python SDK sends, answered with
 # the six `x-ratelimit-*` headers Azure sends: what a gateway in production parses.
@@ -62,7 +63,7 @@ start_target() { # target out backend_port
     case $1 in
         spillgate)
             spillgate_toml "$WORK/spillgate.toml" "$PORT" "$3"
-            "${cg[@]}" "$BIN/spillgate" --config "$WORK/spillgate.toml" >/dev/null 2>"$WORK/spillgate.log" &
+            "${cg[@]}" "$GATEWAY" --config "$WORK/spillgate.toml" >/dev/null 2>"$WORK/spillgate.log" &
             ;;
         nginx)
             nginx_conf "$WORK/nginx" "$PORT" "$3" single

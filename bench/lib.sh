@@ -18,7 +18,8 @@ need() {
 }
 
 # Builds the gateway and the mock and sets BIN: the release build, or with SMOKE (numbers
-# from a smoke run mean nothing) the debug build ./test.sh already has.
+# from a smoke run mean nothing) the debug build ./test.sh already has. GATEWAY is the
+# gateway measured: SPILLGATE_BIN when set (such as bench/pgo.sh's build), else BIN's.
 build_bins() {
     if [[ -n ${SMOKE:-} ]]; then
         cargo build -q -p spillgate -p spillgate-mock
@@ -27,6 +28,7 @@ build_bins() {
         cargo build -q --release -p spillgate -p spillgate-mock
         BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
     fi
+    GATEWAY=${SPILLGATE_BIN:-$BIN/spillgate}
 }
 
 # WORK is removed and every process in PIDS killed when the script exits.

@@ -6,6 +6,8 @@
 #                                # PASSES=6 passes of PASS_SECS=4 s for the headline case)
 #   DURATION=3 bench/overhead.sh # shorter
 #   SMOKE=1 bench/overhead.sh    # a few seconds, one case of each part, debug build
+#   SPILLGATE_BIN=target/pgo/release/spillgate bench/overhead.sh  # measure that gateway
+#                                # binary (bench/pgo.sh's build) instead of the release build
 #                                # (what ./test.sh runs, so the script cannot rot)
 #   ONLY=streams bench/overhead.sh  # the stream measurements only (first event, RSS)
 #   TTFB_CLIENT=ttfb-kept ONLY=streams bench/overhead.sh  # first event from a blocking
@@ -70,7 +72,7 @@ start_nginx() { # backend_port
 start_spillgate() { # backend_port
     local port; port=$(free_port)
     spillgate_toml "$WORK/spillgate-$1.toml" "$port" "$1"
-    "$BIN/spillgate" --config "$WORK/spillgate-$1.toml" >/dev/null 2>"$WORK/spillgate-$1.log" &
+    "$GATEWAY" --config "$WORK/spillgate-$1.toml" >/dev/null 2>"$WORK/spillgate-$1.log" &
     PIDS+=($!)
     PORT=$port
 }
