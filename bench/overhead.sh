@@ -6,9 +6,9 @@
 #                                # PASSES=6 passes of PASS_SECS=4 s for the headline case)
 #   DURATION=3 bench/overhead.sh # shorter
 #   SMOKE=1 bench/overhead.sh    # a few seconds, one case of each part, debug build
+#                                # (what ./test.sh runs, so the script cannot rot)
 #   SPILLGATE_BIN=target/pgo/release/spillgate bench/overhead.sh  # measure that gateway
 #                                # binary (bench/pgo.sh's build) instead of the release build
-#                                # (what ./test.sh runs, so the script cannot rot)
 #   ONLY=streams bench/overhead.sh  # the stream measurements only (first event, RSS)
 #   TTFB_CLIENT=ttfb-kept ONLY=streams bench/overhead.sh  # first event from a blocking
 #                                # client on kept-alive connections (bench/streams.py)

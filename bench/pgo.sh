@@ -3,10 +3,10 @@
 # training load in front of the mock backend on loopback, and the release build is
 # compiled again with the profile it wrote, so that the compiler lays out and inlines
 # the request path for how it runs. Same code, same behaviour as `cargo build --release`;
-# about 7% less CPU a JSON request in bench/README's A/B.
+# 0.905× its CPU a JSON request in bench/README's A/B.
 #
 #   bench/pgo.sh                  # writes target/pgo/release/spillgate (two release
-#                                 # builds: about 10 minutes on 2 cores)
+#                                 # builds: about 13 minutes on 2 cores)
 #   TRAIN_SECS=10 bench/pgo.sh    # seconds of each training load (5)
 #   SMOKE=1 bench/pgo.sh          # the training load only, one second each, against the
 #                                 # debug build (what ./test.sh runs; no profile, no build)
