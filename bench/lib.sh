@@ -155,12 +155,12 @@ http {
 EOF
 }
 
-# spillgate_toml <file> <listen_port> <backend_port>: two tiers on the same backend, no
-# admin listener, no client keys.
-spillgate_toml() {
-    cat >"$1" <<EOF
+# spillgate_server_toml <listen_port>: the gateway's settings in every bench config: no
+# admin listener, no client keys, warnings only.
+spillgate_server_toml() {
+    cat <<EOF
 [server]
-listen = "127.0.0.1:$2"
+listen = "127.0.0.1:$1"
 max_connections = 20000
 [admin]
 enabled = false
@@ -168,6 +168,15 @@ enabled = false
 mode = "none"
 [log]
 level = "warn"
+EOF
+}
+
+# spillgate_toml <file> <listen_port> <backend_port>: two tiers on the same backend, no
+# admin listener, no client keys.
+spillgate_toml() {
+    {
+        spillgate_server_toml "$2"
+        cat <<EOF
 [[backends]]
 name = "tier1"
 kind = "openai"
@@ -179,4 +188,5 @@ kind = "openai"
 url = "http://127.0.0.1:$3/v1"
 priority = 2
 EOF
+    } >"$1"
 }

@@ -32,15 +32,9 @@ TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 # spillgate_azure_toml <file> <listen_port> <backend_port>: one Azure OpenAI backend
 # (classic deployment paths, an `api-key`), as most deployments have.
 spillgate_azure_toml() {
-    cat >"$1" <<EOF
-[server]
-listen = "127.0.0.1:$2"
-[admin]
-enabled = false
-[auth]
-mode = "none"
-[log]
-level = "warn"
+    {
+        spillgate_server_toml "$2"
+        cat <<EOF
 [[backends]]
 name = "azure"
 kind = "azure"
@@ -48,6 +42,7 @@ url = "http://127.0.0.1:$3"
 api_key = "env:SPILLGATE_PGO_KEY"
 deployments = { "gpt-4o" = "gpt4o" }
 EOF
+    } >"$1"
 }
 
 # train <gateway binary>: JSON, JSON with the OpenAI SDK's headers answered with Azure's
