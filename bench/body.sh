@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Instructions to read a request body for its model (`inspect_body`, run for every
-# request), by the length and kind of its prompt: callgrind counts
+# request whose path names no Azure deployment), by the length and kind of its prompt: callgrind counts
 # crates/spillgate-core/examples/body_scan.rs reading each body ITER times, less the same
 # run with an empty prompt, divided by ITER. The count repeats from run to run.
 #
@@ -11,6 +11,9 @@
 # Installs valgrind with apt-get when missing. Prints a markdown table: the body's
 # length, the instructions a read, and the instructions a byte of prompt.
 set -euo pipefail
+# A failed read (valgrind, or body_scan not finding the model) fails the script, not
+# just the command substitution it runs in.
+shopt -s inherit_errexit
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 . bench/lib.sh
@@ -41,8 +44,10 @@ count() {
 echo "| prompt | body bytes | instructions a read, for the prompt | a byte of prompt |"
 echo "|---|---:|---:|---:|"
 for text in "${TEXTS[@]}"; do
-    read -r _ base <<<"$(count 0 "$text")"
-    read -r len total <<<"$(count "$BYTES" "$text")"
+    empty=$(count 0 "$text")
+    full=$(count "$BYTES" "$text")
+    read -r _ base <<<"$empty"
+    read -r len total <<<"$full"
     awk -v t="$text" -v len="$len" -v a="$total" -v b="$base" -v n="$ITER" -v p="$BYTES" \
         'BEGIN {r = (a - b) / n; printf "| %s | %d | %.0f | %.2f |\n", t, len, r, r / p}'
 done

@@ -1,5 +1,5 @@
-# Shared by bench/overhead.sh and bench/instructions.sh (sourced, not run): tools,
-# build, cleanup, ports, and the configs of the mock, nginx and spillgate they compare.
+# Shared by the bench/*.sh scripts (sourced, not run): tools, build, cleanup, ports, and
+# the configs of the mock, nginx and spillgate they run.
 # Expects ROOT (the repository) to be set and `set -euo pipefail` in the caller.
 
 APT_UPDATED=0

@@ -5,8 +5,10 @@
 # the request path for how it runs. Same code, same behaviour as `cargo build --release`;
 # 0.905× its CPU a JSON request in bench/README's A/B.
 #
-#   bench/pgo.sh                  # writes target/pgo/release/spillgate (two release
-#                                 # builds: about 13 minutes on 2 cores)
+#   bench/pgo.sh                  # writes target/pgo/release/spillgate (the plain release
+#                                 # build for the mock, then the instrumented and the
+#                                 # profile-guided ones: about 13 minutes on 2 cores; the
+#                                 # instrumented one is kept in target/pgo-gen for the next run)
 #   TRAIN_SECS=10 bench/pgo.sh    # seconds of each training load (5)
 #   SMOKE=1 bench/pgo.sh          # the training load only, one second each, against the
 #                                 # debug build (what ./test.sh runs; no profile, no build)
@@ -50,7 +52,7 @@ EOF
 # and through an Azure backend; each load TRAIN_SECS at 64 connections. Fails on any
 # error, so that a profile is never taken from a load that was refused.
 train() {
-    local gw=$1 config mock port pid body headers out
+    local gw=$1 config mock port pid body headers out requests errors
     start_mock 0
     local plain=$PORT
     MOCK_LIMITS=1 start_mock 0
@@ -67,6 +69,8 @@ train() {
         fi
         SPILLGATE_PGO_KEY=training "$gw" --config "$WORK/train.toml" >/dev/null 2>"$WORK/train.log" &
         pid=$!
+        # Killed by lib.sh's cleanup too when the script fails before it stops it.
+        PIDS+=("$pid")
         wait_port "$port" 10
         for body in "$JSON" "$SSE"; do
             headers=""
@@ -93,17 +97,23 @@ if [[ -n ${SMOKE:-} ]]; then
     exit 0
 fi
 
-PROFDATA=$(find "$(rustc --print sysroot)" -name llvm-profdata -type f 2>/dev/null | head -1)
+# find_profdata: the toolchain's llvm-profdata, or nothing.
+find_profdata() {
+    find "$(rustc --print sysroot)" -name llvm-profdata -type f 2>/dev/null | head -1 || true
+}
+PROFDATA=$(find_profdata)
 if [[ -z $PROFDATA ]]; then
     rustup component add llvm-tools >&2
-    PROFDATA=$(find "$(rustc --print sysroot)" -name llvm-profdata -type f | head -1)
+    PROFDATA=$(find_profdata)
 fi
 if [[ -z $PROFDATA ]]; then
     echo "pgo.sh: no llvm-profdata in $(rustc --print sysroot) after 'rustup component add llvm-tools'" >&2
     exit 1
 fi
 
-RAW=$WORK/profiles
+# A fixed place, so that the instrumented build (whose flags name it) is built once and
+# kept; the profile-guided build's flags name this run's profile, so it is always built.
+RAW=$TARGET/pgo-gen/profiles
 echo "building the instrumented gateway (target/pgo-gen)" >&2
 CARGO_TARGET_DIR=$TARGET/pgo-gen RUSTFLAGS="-Cprofile-generate=$RAW" \
     cargo build -q --release -p spillgate

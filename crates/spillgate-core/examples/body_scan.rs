@@ -1,10 +1,10 @@
-//! Reads a chat request body for its model, as the gateway does for every request, a
-//! given number of times: what `bench/body.sh` counts the instructions of.
+//! Reads a chat request body for its model, as the gateway does for every request whose
+//! path names no Azure deployment, a given number of times: what `bench/body.sh` counts the instructions of.
 //!
 //!     body_scan <prompt bytes> <plain | escapes | ja> <iterations>
 //!
-//! The user message is `prompt bytes` long: English prose with a line break every two
-//! sentences (`plain`), text with an escape every few words (`escapes`), or Japanese
+//! The user message is `prompt bytes` long: English prose with a line break after every
+//! sentence (`plain`), text with an escape every few words (`escapes`), or Japanese
 //! (`ja`, three bytes a character).
 
 use std::process::ExitCode;

@@ -237,9 +237,10 @@ struct Classified<'a> {
 fn model_header(body: &Bytes, info: &BodyInfo, model: &str) -> Option<HeaderValue> {
     let (start, end) = info.model_span?;
     let text = body.get(start + 1..end.checked_sub(1)?)?;
-    (text == model.as_bytes())
-        .then(|| HeaderValue::from_maybe_shared(body.slice_ref(text)).ok())
-        .flatten()
+    if text != model.as_bytes() {
+        return None;
+    }
+    HeaderValue::from_maybe_shared(body.slice_ref(text)).ok()
 }
 
 fn missing_model(method: &Method, path: &str) -> GatewayError {

@@ -1290,30 +1290,25 @@ mod tests {
 
     #[test]
     fn origins_compare_as_http_does_whatever_the_case() {
-        let at = |scheme: Scheme, authority: &str| Origin {
-            scheme,
+        let at = |scheme: &Scheme, authority: &str| Origin {
+            scheme: scheme.clone(),
             authority: authority.parse().unwrap(),
         };
-        assert_eq!(
-            at(Scheme::HTTPS, "res.openai.azure.com"),
-            at(Scheme::HTTPS, "res.openai.azure.com")
-        );
-        assert_eq!(
-            at(Scheme::HTTPS, "Res.OpenAI.Azure.com"),
-            at(Scheme::HTTPS, "res.openai.azure.com")
-        );
-        assert_ne!(
-            at(Scheme::HTTP, "res.openai.azure.com"),
-            at(Scheme::HTTPS, "res.openai.azure.com")
-        );
-        assert_ne!(
-            at(Scheme::HTTPS, "res.openai.azure.com:8443"),
-            at(Scheme::HTTPS, "res.openai.azure.com")
-        );
-        assert_ne!(
-            at(Scheme::HTTPS, "res1.openai.azure.com"),
-            at(Scheme::HTTPS, "res2.openai.azure.com")
-        );
+        let same = "res.openai.azure.com";
+        // (scheme, authority) against HTTPS `same`, and whether they are equal.
+        for (scheme, authority, equal) in [
+            (Scheme::HTTPS, same, true),
+            (Scheme::HTTPS, "Res.OpenAI.Azure.com", true),
+            (Scheme::HTTP, same, false),
+            (Scheme::HTTPS, "res.openai.azure.com:8443", false),
+            (Scheme::HTTPS, "res2.openai.azure.com", false),
+        ] {
+            assert_eq!(
+                at(&scheme, authority) == at(&Scheme::HTTPS, same),
+                equal,
+                "{scheme}://{authority}"
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]
