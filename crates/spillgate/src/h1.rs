@@ -566,14 +566,26 @@ pub(crate) struct Seen {
     pub(crate) transfer_encoding: bool,
     pub(crate) content_length: bool,
     pub(crate) expect: bool,
+    /// The length a head's one `Content-Length` of plain digits gives, read as its map is
+    /// built: nearly every head's, which then needs no lookup (it hashes the name). `None`
+    /// for a second `Content-Length` or any other value: the map's values decide.
+    length: Option<u64>,
 }
 
 impl Seen {
-    fn note(&mut self, common: usize) {
+    /// Notes the header at `common` of [`COMMON_NAMES`], whose value is `value`.
+    fn note(&mut self, common: usize, value: &[u8]) {
         match common {
             CONNECTION => self.connection = true,
             TRANSFER_ENCODING => self.transfer_encoding = true,
-            CONTENT_LENGTH => self.content_length = true,
+            CONTENT_LENGTH => {
+                self.length = if self.content_length {
+                    None
+                } else {
+                    decimal(value)
+                };
+                self.content_length = true;
+            }
             EXPECT => self.expect = true,
             _ => {}
         }
@@ -587,10 +599,10 @@ impl Seen {
     /// The head's `Content-Length` (see [`content_length`]): looked up only when it has
     /// one.
     pub(crate) fn content_length(self, headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
-        if self.content_length {
-            content_length(headers)
-        } else {
-            Ok(None)
+        match (self.content_length, self.length) {
+            (false, _) => Ok(None),
+            (true, Some(n)) => Ok(Some(n)),
+            (true, None) => content_length(headers),
         }
     }
 
@@ -616,7 +628,7 @@ fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<(HeaderMap, 
         let bytes = head.get(span.name.range()).unwrap_or_default();
         let name = match common_index(bytes) {
             Some(i) => {
-                seen.note(i);
+                seen.note(i, head.get(span.value.range()).unwrap_or_default());
                 COMMON_NAMES[i].clone()
             }
             // Not one of the framing headers, which are all common names (matched
@@ -1359,6 +1371,8 @@ mod tests {
                     transfer_encoding: has(header::TRANSFER_ENCODING),
                     content_length: has(header::CONTENT_LENGTH),
                     expect: has(header::EXPECT),
+                    // The one `Content-Length` here reads `v`: no length of its own.
+                    length: None,
                 },
                 "{mask:04b}"
             );
@@ -1846,6 +1860,54 @@ mod tests {
             length(&["1", "2"]),
             Err("conflicting content-length values")
         );
+    }
+
+    /// The length a head notes as its map is built is the one its map's values give,
+    /// for one header or several, plain digits or not: a second `Content-Length` that
+    /// differs is still an error, and one that agrees still one length.
+    #[test]
+    fn the_noted_length_is_the_maps() {
+        let cases: [&[&str]; 11] = [
+            &[],
+            &["0"],
+            &["42"],
+            &["18446744073709551615"],
+            &["18446744073709551616"],
+            &[" 42"],
+            &["5, 5"],
+            &["1x"],
+            &["5", "5"],
+            &["5", "6"],
+            &["5", "x"],
+        ];
+        for values in cases {
+            let mut raw = b"X-Other: 1\r\n".to_vec();
+            for v in values {
+                raw.extend_from_slice(format!("Content-Length: {v}\r\n").as_bytes());
+            }
+            raw.extend_from_slice(b"\r\n");
+            let mut headers = [httparse::EMPTY_HEADER; 8];
+            let Ok(httparse::Status::Complete((len, parsed))) =
+                httparse::parse_headers(&raw, &mut headers)
+            else {
+                panic!("incomplete")
+            };
+            let mut spans = HeadSpans::new();
+            spans.record(&raw, parsed);
+            let (_, map, seen) = spans.take(&mut BytesMut::from(&raw[..]), len, 0).unwrap();
+            assert_eq!(
+                seen.content_length(&map),
+                content_length(&map),
+                "{values:?}"
+            );
+            // Read on the way only when it is one value of plain digits (the parser
+            // takes the spaces before a value off).
+            assert_eq!(
+                seen.length.is_some(),
+                matches!(values, ["0" | "42" | " 42" | "18446744073709551615"]),
+                "{values:?}"
+            );
+        }
     }
 
     #[tokio::test]
