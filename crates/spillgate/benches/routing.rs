@@ -144,7 +144,7 @@ fn spillgate(sim: &SimUpstream) -> Sender {
                 .header("api-key", KEY)
                 .body(Body::from(body))
                 .unwrap();
-            let resp = router.oneshot(req).await.unwrap();
+            let resp = router.oneshot(req).await.unwrap().into_response();
             let s = resp.status().as_u16();
             let _ = resp.into_body().collect().await;
             s

@@ -297,6 +297,50 @@ fn request_framing(
     }
 }
 
+/// What the listener writes back to a request: a response, or a backend's answer
+/// relayed with its header lines as they came (see [`crate::proxy::Relay`]).
+pub enum Reply<B> {
+    Response(http::Response<B>),
+    Relay(crate::proxy::Relay<B>),
+}
+
+impl<B> Reply<B> {
+    /// As an `http::Response`, a relayed answer's headers built into a map: for a
+    /// reply that goes elsewhere than to a client connection (the simulator's load).
+    pub fn into_response(self) -> http::Response<B> {
+        match self {
+            Reply::Response(resp) => resp,
+            Reply::Relay(relay) => {
+                let (status, head, body) = relay.into_parts();
+                let mut resp = http::Response::new(body);
+                *resp.status_mut() = status;
+                *resp.headers_mut() = head.to_map();
+                resp
+            }
+        }
+    }
+}
+
+/// A service's answer as a [`Reply`].
+pub trait IntoReply {
+    type Body;
+    fn into_reply(self) -> Reply<Self::Body>;
+}
+
+impl<B> IntoReply for http::Response<B> {
+    type Body = B;
+    fn into_reply(self) -> Reply<B> {
+        Reply::Response(self)
+    }
+}
+
+impl<B> IntoReply for Reply<B> {
+    type Body = B;
+    fn into_reply(self) -> Reply<B> {
+        self
+    }
+}
+
 /// How the connection's wait for a head ended.
 enum Next {
     Head(http::Request<()>, h1::Seen),
@@ -314,7 +358,8 @@ pub async fn serve<S, B>(
     limits: Limits,
     stopped: watch::Receiver<bool>,
 ) where
-    S: tower::Service<http::Request<RequestBody>, Response = http::Response<B>, Error = Infallible>,
+    S: tower::Service<http::Request<RequestBody>, Error = Infallible>,
+    S::Response: IntoReply<Body = B>,
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
@@ -446,7 +491,7 @@ pub async fn serve<S, B>(
                 let mut continued = 0;
                 poll_fn(|cx| loop {
                     if let Poll::Ready(Ok(resp)) = call.as_mut().poll(cx) {
-                        return Poll::Ready(Some(resp));
+                        return Poll::Ready(Some(resp.into_reply()));
                     }
                     let mut input = lock(&shared);
                     if input.expect == Continue::Due {
@@ -496,7 +541,14 @@ pub async fn serve<S, B>(
 /// cannot be read, and closes the connection.
 async fn refuse(mut out: Out, shared: &Shared, e: GatewayError, request: (&Method, Version)) {
     tracing::debug!(status = e.status.as_u16(), code = e.code, "request refused");
-    let _ = respond(&mut out, shared, e.into_response(), request, false).await;
+    let _ = respond(
+        &mut out,
+        shared,
+        Reply::Response(e.into_response()),
+        request,
+        false,
+    )
+    .await;
     close(out, shared).await;
 }
 
@@ -555,7 +607,7 @@ enum Event<F> {
 fn respond<'a, B>(
     out: &'a mut Out,
     shared: &'a Shared,
-    resp: http::Response<B>,
+    reply: Reply<B>,
     (method, version): (&Method, Version),
     keep_alive: bool,
 ) -> impl Future<Output = Result<bool, WriteError>> + 'a
@@ -563,18 +615,23 @@ where
     B: http_body::Body<Data = Bytes> + Unpin + 'a,
     B::Error: std::fmt::Display,
 {
-    let (mut parts, mut body) = resp.into_parts();
+    let (mut status, fields, mut body) = match reply {
+        Reply::Response(resp) => {
+            let (parts, body) = resp.into_parts();
+            (parts.status, Fields::Map(parts.headers), body)
+        }
+        Reply::Relay(relay) => {
+            let (status, lines, body) = relay.into_parts();
+            (status, Fields::Relay(lines), body)
+        }
+    };
     // A 1xx is never a final answer: one given as such would leave the client waiting for
     // another. Reported as the server error it is.
-    let informational = parts.status.is_informational();
+    let informational = status.is_informational();
     if informational {
-        tracing::error!(
-            status = parts.status.as_u16(),
-            "a 1xx status given as a response"
-        );
-        parts.status = StatusCode::INTERNAL_SERVER_ERROR;
+        tracing::error!(status = status.as_u16(), "a 1xx status given as a response");
+        status = StatusCode::INTERNAL_SERVER_ERROR;
     }
-    let status = parts.status;
     let no_body = *method == Method::HEAD
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
@@ -584,7 +641,11 @@ where
     let exact = body.size_hint().exact();
     let known = match exact {
         Some(n) if *method != Method::HEAD => Some(n),
-        _ => h1::content_length(&parts.headers).ok().flatten().or(exact),
+        _ => match &fields {
+            Fields::Map(headers) => h1::content_length(headers).ok().flatten(),
+            Fields::Relay(lines) => lines.length(),
+        }
+        .or(exact),
     };
     let unread = {
         let input = lock(shared);
@@ -611,8 +672,18 @@ where
         _ => None,
     };
     let chunked = matches!(framing, Framing::Chunked(_));
-    encode_head(&mut head, &parts, length, chunked, &mut reusable, version);
-    h1::recycle(parts.headers);
+    encode_head(
+        &mut head,
+        status,
+        &fields,
+        length,
+        chunked,
+        &mut reusable,
+        version,
+    );
+    if let Fields::Map(headers) = fields {
+        h1::recycle(headers);
+    }
     async move {
         if framing == Framing::Done {
             write_all(out, &mut [IoSlice::new(&head)]).await?;
@@ -706,6 +777,12 @@ where
     }
 }
 
+/// A response's header lines to write: a map's, or a relayed answer's.
+enum Fields {
+    Map(HeaderMap),
+    Relay(crate::proxy::RelayHead),
+}
+
 /// `n` in hex and CRLF, in `buf`.
 fn chunk_line(buf: &mut [u8; 20], n: usize) -> &[u8] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -730,32 +807,33 @@ fn chunk_line(buf: &mut [u8; 20], n: usize) -> &[u8] {
 /// The `Connection` header written says whether it is, as `version` needs it said.
 fn encode_head(
     out: &mut Vec<u8>,
-    parts: &http::response::Parts,
+    status: StatusCode,
+    fields: &Fields,
     length: Option<u64>,
     chunked: bool,
     reusable: &mut bool,
     version: Version,
 ) {
     out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(parts.status.as_str().as_bytes());
+    out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
-    out.extend_from_slice(
-        parts
-            .status
-            .canonical_reason()
-            .unwrap_or_default()
-            .as_bytes(),
-    );
+    out.extend_from_slice(status.canonical_reason().unwrap_or_default().as_bytes());
     out.extend_from_slice(b"\r\n");
     // Whether the handler gave a `Date`, noted on the way (a lookup hashes the name).
     let mut dated = false;
-    for (name, value) in &parts.headers {
-        if *name == header::CONNECTION {
-            *reusable &= !h1::has_token(value, "close");
-        } else if *name != header::TRANSFER_ENCODING && *name != header::CONTENT_LENGTH {
-            dated |= *name == header::DATE;
-            h1::header_line(out, name, value);
+    match fields {
+        Fields::Map(headers) => {
+            for (name, value) in headers {
+                if *name == header::CONNECTION {
+                    *reusable &= !h1::has_token(value.as_bytes(), "close");
+                } else if *name != header::TRANSFER_ENCODING && *name != header::CONTENT_LENGTH {
+                    dated |= *name == header::DATE;
+                    h1::header_line(out, name, value);
+                }
+            }
         }
+        // Neither framing headers nor `Connection` among them.
+        Fields::Relay(lines) => dated = lines.write_headers(out),
     }
     if !dated {
         out.extend_from_slice(b"date: ");
@@ -1204,6 +1282,64 @@ mod tests {
         assert!(head.contains("content-length: 42\r\n"), "{head}");
         assert!(!head.contains("connection"), "{head}");
         assert_eq!(response(&mut sock, &mut buf).await.1, "early");
+    }
+
+    /// A relayed answer goes out with its own lines as they came (less what the gateway
+    /// keeps back) and the connection's framing: the length the backend declared when
+    /// the body does not say its own, else chunked; its `Date`, and no second one.
+    #[tokio::test]
+    async fn a_relayed_answer_keeps_its_lines_and_gets_the_connections_framing() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_stop, stopped) = watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let svc = tower::service_fn(|req: http::Request<RequestBody>| async move {
+                    let declared = (req.uri().path() == "/declared").then_some(5);
+                    let chunks = futures_util::stream::iter([Ok::<_, Infallible>(Frame::data(
+                        Bytes::from_static(b"hello"),
+                    ))]);
+                    let lines = format!(
+                        "Content-Type: text/plain\r\nDate: {FRAMED_DATE}\r\nConnection: close\r\n\
+                         Content-Length: 5\r\nX-Request-Id: up\r\n\r\n"
+                    );
+                    let relay = crate::proxy::test_relay(
+                        lines.as_bytes(),
+                        declared,
+                        StreamBody::new(chunks).boxed(),
+                    );
+                    Ok::<_, Infallible>(Reply::Relay(relay))
+                });
+                tokio::spawn(serve(stream, svc, LIMITS, stopped.clone()));
+            }
+        });
+        let mut sock = connect(
+            addr,
+            b"GET /declared HTTP/1.1\r\n\r\nGET /unknown HTTP/1.1\r\n\r\n",
+        )
+        .await;
+        let mut buf = Vec::new();
+        let (head, body) = response(&mut sock, &mut buf).await;
+        assert_eq!(
+            head,
+            format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nDate: {FRAMED_DATE}\r\n\
+                 x-upstream-request-id: up\r\nx-spillgate-backend: b\r\n\
+                 x-spillgate-attempts: 1\r\ncontent-length: 5\r\n\r\n"
+            )
+        );
+        assert_eq!(body, "hello");
+        // The backend's `Connection: close` was its own connection's: this one goes on.
+        let (head, body) = response(&mut sock, &mut buf).await;
+        assert!(
+            head.ends_with("transfer-encoding: chunked\r\n\r\n"),
+            "{head}"
+        );
+        assert!(
+            !head.to_ascii_lowercase().contains("content-length"),
+            "{head}"
+        );
+        assert_eq!(body, "hello");
     }
 
     #[tokio::test]

@@ -32,11 +32,12 @@ use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::coalesce::Joined;
 use crate::entra::{BearerToken, Refusal, TokenError};
 use crate::errors::GatewayError;
+use crate::front::Reply;
 use crate::h1;
 use crate::metrics::{Label, Labels};
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
 use crate::store::{ProbeClaim, StateStore, StoreBudget};
-use crate::upstream::{AttemptError, UpstreamRequest};
+use crate::upstream::{AttemptError, UpstreamHeaders, UpstreamRequest, Upstreamed};
 use crate::whole::{take_whole, Resumed, Taken};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -49,8 +50,8 @@ pub const HEADER_ATTEMPTS: HeaderName = HeaderName::from_static("x-spillgate-att
 pub const HEADER_MODEL: HeaderName = HeaderName::from_static("x-spillgate-model");
 pub const HEADER_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// How many headers a response gets from the gateway on its way to the client: its
-/// request id, backend, attempts and model. Response header maps are made with room for
-/// them (`h1` builds the backend's with it).
+/// request id, backend, attempts and model. A backend's answer given as a map (HTTP/2)
+/// is made room for them.
 pub(crate) const ADDED_RESPONSE_HEADERS: usize = 4;
 /// How many headers a request gets from the gateway on its way upstream: its request id
 /// and the backend's credential. Request header maps are made with room for them (`front`
@@ -91,7 +92,11 @@ fn unwanted_names(
     if connection {
         let listed = headers.get_all(header::CONNECTION);
         for name in headers.keys() {
-            if !names.contains(name) && listed.iter().any(|v| h1::has_token(v, name.as_str())) {
+            if !names.contains(name)
+                && listed
+                    .iter()
+                    .any(|v| h1::has_token(v.as_bytes(), name.as_str()))
+            {
                 names.push(name.clone());
             }
         }
@@ -157,6 +162,165 @@ fn response_headers(mut headers: HeaderMap, extra: usize) -> HeaderMap {
     headers
 }
 
+/// What becomes of a backend's response header on its way to the client, by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rule {
+    Keep,
+    /// Not passed on.
+    Drop,
+    /// Passed on as `x-upstream-request-id`.
+    Rename,
+    /// Passed on, and the client gets no `Date` of the gateway's.
+    Date,
+}
+
+/// [`Rule`]s by `h1`'s common names (any other name is kept): what
+/// [`response_headers`] and the listener's head writer do to a map, for a response
+/// relayed as it came. Hop-by-hop and backend-only headers stay behind; the framing
+/// headers are the client connection's own; the gateway's own headers are its, not a
+/// backend's.
+const RELAY_RULES: [Rule; h1::COMMON_NAME_TEXTS.len()] = {
+    let mut rules = [Rule::Keep; h1::COMMON_NAME_TEXTS.len()];
+    let dropped: [&[&str]; 3] = [
+        &HOP_BY_HOP,
+        &BACKEND_ONLY_HEADERS,
+        &[
+            "content-length",
+            "x-spillgate-backend",
+            "x-spillgate-attempts",
+            "x-spillgate-model",
+        ],
+    ];
+    let mut list = 0;
+    while list < dropped.len() {
+        let mut k = 0;
+        while k < dropped[list].len() {
+            // A name missing from the common names is an index past the end: refused at
+            // compile time.
+            rules[h1::common_at(dropped[list][k])] = Rule::Drop;
+            k += 1;
+        }
+        list += 1;
+    }
+    rules[h1::common_at("x-request-id")] = Rule::Rename;
+    rules[h1::common_at("date")] = Rule::Date;
+    rules
+};
+
+/// A backend's HTTP/1.1 answer on its way to the client: its header lines go out as they
+/// came (in their own case and order), less those [`RELAY_RULES`] keep back, then the
+/// gateway's own. The same headers as [`response_headers`] leaves in a map, without
+/// building one.
+pub struct Relay<B> {
+    head: RelayHead,
+    body: B,
+}
+
+/// A [`Relay`]'s status and what its head is written from.
+pub struct RelayHead {
+    status: StatusCode,
+    lines: h1::RawHeaders,
+    /// The body's length as its `Content-Length` gave it; `None` when there was none,
+    /// or when the body changes length on the way (the usage chunk taken out).
+    length: Option<u64>,
+    backend: HeaderValue,
+    attempts: HeaderValue,
+    model: Option<HeaderValue>,
+    request_id: Option<HeaderValue>,
+}
+
+impl<B> Relay<B> {
+    /// The gateway's id for the request, sent back in `x-request-id`.
+    pub fn set_request_id(&mut self, id: HeaderValue) {
+        self.head.request_id = Some(id);
+    }
+
+    pub fn into_parts(self) -> (StatusCode, RelayHead, B) {
+        (self.head.status, self.head, self.body)
+    }
+}
+
+impl RelayHead {
+    /// The body's length as the backend declared it, if it still holds.
+    pub fn length(&self) -> Option<u64> {
+        self.length
+    }
+
+    /// Writes the header lines; says whether a `Date` was among them.
+    pub fn write_headers(&self, out: &mut Vec<u8>) -> bool {
+        self.each_header(|name, value| h1::raw_line(out, name, value))
+    }
+
+    /// The headers as a map (for a relay that is not written to a client connection).
+    pub fn to_map(&self) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        self.each_header(|name, value| {
+            if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(name), HeaderValue::from_bytes(value)) {
+                map.append(n, v);
+            }
+        });
+        map
+    }
+
+    /// Gives each header that goes to the client, in order, to `f`; says whether a
+    /// `Date` was among them.
+    fn each_header(&self, mut f: impl FnMut(&[u8], &[u8])) -> bool {
+        // The names a `Connection` header lists are hop-by-hop too (looked for only when
+        // there is one: most answers have none).
+        let listed: SmallVec<[&[u8]; 4]> = if self.lines.seen().connection {
+            h1::Values::values(&self.lines, &header::CONNECTION)
+                .flat_map(h1::tokens)
+                .filter(|t| !t.is_empty())
+                .collect()
+        } else {
+            SmallVec::new()
+        };
+        let mut dated = false;
+        for (common, name, value) in self.lines.fields() {
+            let rule = common.map_or(Rule::Keep, |i| RELAY_RULES[i]);
+            if rule == Rule::Drop || listed.iter().any(|t| t.eq_ignore_ascii_case(name)) {
+                continue;
+            }
+            let name = match rule {
+                Rule::Rename => b"x-upstream-request-id",
+                _ => name,
+            };
+            dated |= rule == Rule::Date;
+            f(name, value);
+        }
+        let own = [
+            (&HEADER_BACKEND, Some(&self.backend)),
+            (&HEADER_ATTEMPTS, Some(&self.attempts)),
+            (&HEADER_MODEL, self.model.as_ref()),
+            (&HEADER_REQUEST_ID, self.request_id.as_ref()),
+        ];
+        for (name, value) in own {
+            if let Some(v) = value {
+                f(name.as_str().as_bytes(), v.as_bytes());
+            }
+        }
+        dated
+    }
+}
+
+/// A relay of `lines` (a head without its status line) with `length` declared, and the
+/// gateway's backend and attempts headers.
+#[cfg(test)]
+pub(crate) fn test_relay<B>(lines: &[u8], length: Option<u64>, body: B) -> Relay<B> {
+    Relay {
+        head: RelayHead {
+            status: StatusCode::OK,
+            lines: h1::raw_headers(lines),
+            length,
+            backend: HeaderValue::from_static("b"),
+            attempts: HeaderValue::from_static("1"),
+            model: None,
+            request_id: None,
+        },
+        body,
+    }
+}
+
 /// The response headers the gateway reads after every attempt (retry hints and rate
 /// limits), in the order of [`Signals`]' slots.
 const SIGNAL_HEADERS: [&str; 9] = [
@@ -176,20 +340,61 @@ const SIGNAL_HEADERS: [&str; 9] = [
 /// The first value of a repeated header counts, as with `HeaderMap::get`.
 struct Signals<'a>([Option<&'a str>; SIGNAL_HEADERS.len()]);
 
+/// Where each of [`SIGNAL_HEADERS`] is in `h1`'s common names, which a response's
+/// headers as they came know theirs by.
+const SIGNAL_COMMON: [usize; SIGNAL_HEADERS.len()] = {
+    let mut at = [0; SIGNAL_HEADERS.len()];
+    let mut i = 0;
+    while i < SIGNAL_HEADERS.len() {
+        at[i] = h1::common_at(SIGNAL_HEADERS[i]);
+        // A name missing from the list would read past its end: refused at compile time.
+        assert!(at[i] < h1::COMMON_NAME_TEXTS.len());
+        i += 1;
+    }
+    at
+};
+
+/// `value` as text when it is what `HeaderValue::to_str` accepts (visible ASCII,
+/// spaces and tabs), else `None`.
+fn visible_str(value: &[u8]) -> Option<&str> {
+    if value
+        .iter()
+        .all(|&b| b == b'\t' || (b' '..0x7f).contains(&b))
+    {
+        std::str::from_utf8(value).ok()
+    } else {
+        None
+    }
+}
+
 impl<'a> Signals<'a> {
-    fn read(headers: &'a HeaderMap) -> Self {
+    fn read(headers: &'a UpstreamHeaders) -> Self {
         let mut found = [None; SIGNAL_HEADERS.len()];
-        for (name, value) in headers {
-            let n = name.as_str();
-            if !(n.starts_with("x-ratelimit-")
-                || n.starts_with("retry-after")
-                || n.starts_with("x-ms-"))
-            {
-                continue;
+        match headers {
+            UpstreamHeaders::Wire(raw) => {
+                for (common, _, value) in raw.fields() {
+                    let Some(c) = common else { continue };
+                    if let Some(i) = SIGNAL_COMMON.iter().position(|&s| s == c) {
+                        if found[i].is_none() {
+                            found[i] = Some(visible_str(value));
+                        }
+                    }
+                }
             }
-            if let Some(i) = SIGNAL_HEADERS.iter().position(|s| *s == n) {
-                if found[i].is_none() {
-                    found[i] = Some(value.to_str().ok());
+            UpstreamHeaders::Map(map) => {
+                for (name, value) in map {
+                    let n = name.as_str();
+                    if !(n.starts_with("x-ratelimit-")
+                        || n.starts_with("retry-after")
+                        || n.starts_with("x-ms-"))
+                    {
+                        continue;
+                    }
+                    if let Some(i) = SIGNAL_HEADERS.iter().position(|s| *s == n) {
+                        if found[i].is_none() {
+                            found[i] = Some(value.to_str().ok());
+                        }
+                    }
                 }
             }
         }
@@ -259,14 +464,14 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
 /// Serves one API request; `request_id` goes upstream in `x-request-id`. Every request
 /// is counted in `spillgate_requests_total` once: by the attempt loop's end when it ran,
 /// else here, as the gateway's own answer (backend and model `-`).
-pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Response {
+pub async fn handle(app: Arc<App>, req: Request, request_id: HeaderValue) -> Reply<Body> {
     let started = tokio::time::Instant::now();
     let snap = app.snapshot.load_full();
     let (mut parts, body) = req.into_parts();
     let low = crate::priority::treated_as_low(&snap.config, &parts.headers, parts.uri.query());
     let local = |response: Response| {
         record_local(&app, response.status().as_u16(), low);
-        response
+        Reply::Response(response)
     };
     let path = parts.uri.path();
     let route = classify_path(parts.method.as_str(), path);
@@ -619,7 +824,7 @@ enum Ended {
         backend: BackendId,
         model: usize,
         attempts: u32,
-        response: http::Response<Body>,
+        response: Upstreamed,
         /// The deployment's reservation when no rate-limit headers settled it: it ends,
         /// corrected by the usage, when the body ends.
         reservation: Option<Reservation>,
@@ -957,10 +1162,10 @@ fn candidate_model<'a>(ctx: &'a Ctx<'_>, i: usize) -> &'a str {
 
 /// Reads and drops what is left of a response the client will not get, so its
 /// connection can go back to the pool (bounded in size and time, off the request path).
-fn discard(response: Option<http::Response<Body>>) {
+fn discard(response: Option<Upstreamed>) {
     if let Some(r) = response {
         tokio::spawn(async move {
-            let body = Limited::new(r.into_body(), DRAIN_LIMIT);
+            let body = Limited::new(r.body, DRAIN_LIMIT);
             let _ = tokio::time::timeout(Duration::from_secs(1), body.collect()).await;
         });
     }
@@ -1010,7 +1215,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let mut next = Next::Select;
     // The last attempt's answer when it was the backend's own verdict (a 4xx under a
     // `>=300` policy, say): if the backends run out, the client gets it as it is.
-    let mut last_answer: Option<(BackendId, usize, http::Response<Body>)> = None;
+    let mut last_answer: Option<(BackendId, usize, Upstreamed)> = None;
     // A failover is counted when the next attempt starts, not when there is none.
     let mut pending_failover: Option<(BackendId, Label)> = None;
 
@@ -1240,7 +1445,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         let left = remaining();
         let mut deadline_bound = left.is_some_and(|r| r < first_byte);
         let timeout = left.map_or(first_byte, |r| r.min(first_byte));
-        let mut result = app.upstream.send(upstream_req, timeout).await;
+        let mut result = app.upstream.relay(upstream_req, timeout).await;
         // A 401 to a token: it may have been revoked or its identity's roles changed.
         // The token is renewed (once, however many requests were refused with it; not at
         // all when it is less than a minute old) and the same backend tried again, within
@@ -1248,7 +1453,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         // Other backends on the same credential keep using the token meanwhile.
         let mut token_refused: Option<Arc<BearerToken>> = None;
         if let (Some(source), Some(used)) = (&backend.entra, token.clone()) {
-            if matches!(&result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED) {
+            if matches!(&result, Ok(r) if r.status == StatusCode::UNAUTHORIZED) {
                 backend.state.set_last_status(401);
                 record_attempt(ctx, id, AttemptResult::Status(401));
                 discard(result.ok());
@@ -1304,9 +1509,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 deadline_bound = left.is_some_and(|r| r < first_byte);
                 result = app
                     .upstream
-                    .send(req, left.map_or(first_byte, |r| r.min(first_byte)))
+                    .relay(req, left.map_or(first_byte, |r| r.min(first_byte)))
                     .await;
-                if matches!(&result, Ok(r) if r.status() == StatusCode::UNAUTHORIZED) {
+                if matches!(&result, Ok(r) if r.status == StatusCode::UNAUTHORIZED) {
                     token_refused = Some(fresh);
                 }
             }
@@ -1315,10 +1520,10 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         let now = app.clock.now_ms();
         let (attempt, outcome, hint, response) = match result {
             Ok(resp) => {
-                let status = resp.status().as_u16();
+                let status = resp.status.as_u16();
                 backend.state.set_last_status(status);
                 deployment.set_last_status(status);
-                let signals = Signals::read(resp.headers());
+                let signals = Signals::read(&resp.headers);
                 let hint =
                     retry_hint(|n| signals.get(n), now).map(|h| h.min(snap.config.cooldown.max));
                 // What the response says about the deployment's capacity. When it says
@@ -1437,7 +1642,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                         hint,
                         now,
                         &snap.config.cooldown,
-                        response.as_ref().map(|r| r.status().as_u16()),
+                        response.as_ref().map(|r| r.status.as_u16()),
                         &mut rng,
                         &*app.store,
                     );
@@ -1506,7 +1711,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
 fn give_up(
     attempts: u32,
     failures: Vec<Outcome>,
-    last_answer: Option<(BackendId, usize, http::Response<Body>)>,
+    last_answer: Option<(BackendId, usize, Upstreamed)>,
 ) -> Ended {
     match last_answer {
         Some((backend, model, response)) => Ended::Served {
@@ -1831,7 +2036,7 @@ fn record_attempt(ctx: &Ctx<'_>, id: usize, attempt: AttemptResult) {
         .with((id as u64) << 16 | code, make, |c| c.inc());
 }
 
-fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Response {
+fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply<Body> {
     let elapsed = ctx.started.elapsed();
     let elapsed_ms = elapsed.as_secs_f64() * 1000.0;
     let snap = ctx.snap;
@@ -1847,39 +2052,30 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
         } => {
             let b = &snap.backends[backend];
             let served_model = candidate_model(ctx, model);
-            let (mut parts, body) = response.into_parts();
-            let content_type = parts
-                .headers
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("");
-            let sse = content_type.starts_with("text/event-stream");
-            let json_body = content_type.starts_with("application/json");
-            let mut headers =
-                response_headers(std::mem::take(&mut parts.headers), ADDED_RESPONSE_HEADERS);
+            let Upstreamed {
+                status,
+                headers,
+                body,
+            } = response;
+            let content_type = headers.get(&header::CONTENT_TYPE).unwrap_or_default();
+            let sse = content_type.starts_with(b"text/event-stream");
+            let json_body = content_type.starts_with(b"application/json");
+            // The body changes length when the usage chunk is taken out.
             let strip = ctx.strip_usage && sse;
-            if strip {
-                // The body changes length when the usage chunk is taken out.
-                headers.remove(header::CONTENT_LENGTH);
-            }
-            headers.insert(HEADER_BACKEND, b.name_header.clone());
-            headers.insert(HEADER_ATTEMPTS, attempts_value(attempts));
             // The request's own model, read from its body: the body's bytes.
             let own = req
                 .body_info
                 .as_ref()
                 .filter(|_| model == 0)
                 .and_then(|info| model_header(&ctx.body, info, &req.model));
-            if let Some(v) = own.or_else(|| HeaderValue::from_str(served_model).ok()) {
-                headers.insert(HEADER_MODEL, v);
-            }
+            let model_value = own.or_else(|| HeaderValue::from_str(served_model).ok());
             tracing::info!(
                 model = %req.model,
                 served_model,
                 route = %route.name,
                 client = client.name(),
                 backend = %b.cfg.name,
-                status = parts.status.as_u16(),
+                status = status.as_u16(),
                 attempts,
                 priority = if ctx.low { "low" } else { "high" },
                 ttfb_ms = elapsed_ms,
@@ -1887,7 +2083,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             );
             let idle = snap.config.timeouts.idle;
             let priority_label = if ctx.low { "low" } else { "high" };
-            record_request(ctx, Some(backend), parts.status.as_u16());
+            record_request(ctx, Some(backend), status.as_u16());
             b.state.count_served();
             let by_priority = |family: &Family<Labels, Histogram>| {
                 family
@@ -1959,10 +2155,35 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
                     Body::new(crate::idle::IdleTimeout::new(idle, body))
                 }
             };
-            let mut resp = Response::new(body);
-            *resp.status_mut() = parts.status;
-            *resp.headers_mut() = headers;
-            resp
+            match headers {
+                UpstreamHeaders::Wire(lines) => Reply::Relay(Relay {
+                    head: RelayHead {
+                        status,
+                        length: if strip { None } else { lines.declared_length() },
+                        lines,
+                        backend: b.name_header.clone(),
+                        attempts: attempts_value(attempts),
+                        model: model_value,
+                        request_id: None,
+                    },
+                    body,
+                }),
+                UpstreamHeaders::Map(map) => {
+                    let mut headers = response_headers(map, ADDED_RESPONSE_HEADERS);
+                    if strip {
+                        headers.remove(header::CONTENT_LENGTH);
+                    }
+                    headers.insert(HEADER_BACKEND, b.name_header.clone());
+                    headers.insert(HEADER_ATTEMPTS, attempts_value(attempts));
+                    if let Some(v) = model_value {
+                        headers.insert(HEADER_MODEL, v);
+                    }
+                    let mut resp = Response::new(body);
+                    *resp.status_mut() = status;
+                    *resp.headers_mut() = headers;
+                    Reply::Response(resp)
+                }
+            }
         }
         other => {
             let now = ctx.app.clock.now_ms();
@@ -2024,7 +2245,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Respo
             let mut resp = err.into_response();
             resp.headers_mut()
                 .insert(HEADER_ATTEMPTS, attempts_value(attempts));
-            resp
+            Reply::Response(resp)
         }
     }
 }
@@ -2228,11 +2449,21 @@ mod tests {
             "x-ratelimit-limit-requests",
             HeaderValue::from_bytes(b"\xff").unwrap(),
         );
-        let s = Signals::read(&h);
-        for n in SIGNAL_HEADERS {
-            assert_eq!(s.get(n), h.get(n).and_then(|v| v.to_str().ok()), "{n}");
+        let map = UpstreamHeaders::Map(h.clone());
+        // The same head as it came, names in any case.
+        let wire = UpstreamHeaders::Wire(h1::raw_headers(
+            b"Content-Type: application/json\r\nX-RateLimit-Remaining-Tokens: 900\r\n\
+              x-ratelimit-remaining-tokens: 1\r\nRetry-After: 7\r\nX-MS-Retry-After-Ms: 1500\r\n\
+              x-ms-region: Sweden Central\r\nX-Ratelimit-Limit-Requests: \xff\r\n\r\n",
+        ));
+        for headers in [&map, &wire] {
+            let s = Signals::read(headers);
+            for n in SIGNAL_HEADERS {
+                assert_eq!(s.get(n), h.get(n).and_then(|v| v.to_str().ok()), "{n}");
+            }
+            assert_eq!(s.get("x-ratelimit-remaining-tokens"), Some("900"));
         }
-        assert_eq!(s.get("x-ratelimit-remaining-tokens"), Some("900"));
+        let s = Signals::read(&wire);
         assert_eq!(
             retry_hint(|n| s.get(n), 0),
             Some(Duration::from_millis(1500))
@@ -2246,6 +2477,112 @@ mod tests {
             h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
         }
         h
+    }
+
+    /// The headers a client gets of a backend's answer, as `(name, value)` pairs in
+    /// lower case, sorted: through a map (`response_headers`, the gateway's own inserted,
+    /// then the listener's writer, which leaves out the framing headers) and relayed as
+    /// they came.
+    fn client_headers(lines: &[u8], strip: bool) -> [Vec<(String, String)>; 2] {
+        let sorted = |mut pairs: Vec<(String, String)>| {
+            pairs.sort();
+            pairs
+        };
+        let own = |name: &HeaderName, value: &'static str| {
+            (name.clone(), HeaderValue::from_static(value))
+        };
+        let own = [
+            own(&HEADER_BACKEND, "tier1"),
+            own(&HEADER_ATTEMPTS, "2"),
+            own(&HEADER_MODEL, "gpt-4o"),
+            own(&HEADER_REQUEST_ID, "req-1"),
+        ];
+        let raw = h1::raw_headers(lines);
+        let mut map = response_headers(raw.to_map(), ADDED_RESPONSE_HEADERS);
+        if strip {
+            map.remove(header::CONTENT_LENGTH);
+        }
+        for (name, value) in &own {
+            map.insert(name.clone(), value.clone());
+        }
+        let through_map = map
+            .iter()
+            .filter(|(n, _)| {
+                ![
+                    header::CONNECTION,
+                    header::TRANSFER_ENCODING,
+                    header::CONTENT_LENGTH,
+                ]
+                .contains(n)
+            })
+            .map(|(n, v)| (n.as_str().to_string(), v.to_str().unwrap().to_string()))
+            .collect();
+        let relay = RelayHead {
+            status: StatusCode::OK,
+            length: None,
+            lines: raw,
+            backend: own[0].1.clone(),
+            attempts: own[1].1.clone(),
+            model: Some(own[2].1.clone()),
+            request_id: Some(own[3].1.clone()),
+        };
+        let mut relayed = Vec::new();
+        relay.each_header(|n, v| {
+            relayed.push((
+                String::from_utf8(n.to_ascii_lowercase()).unwrap(),
+                String::from_utf8(v.to_vec()).unwrap(),
+            ));
+        });
+        [sorted(through_map), sorted(relayed)]
+    }
+
+    /// A relayed answer's client gets the headers the map path gives it: hop-by-hop
+    /// ones (and those `Connection` names, in any case), backend-only ones, the framing
+    /// and a backend's own `x-spillgate-*` stay behind, its `x-request-id` is renamed,
+    /// and the gateway's headers follow.
+    #[test]
+    fn relayed_answers_carry_the_headers_a_map_would() {
+        let heads: [&[u8]; 5] = [
+            b"Content-Type: application/json\r\nContent-Length: 5\r\n\r\n",
+            b"Content-Type: text/event-stream\r\nConnection: keep-alive, X-Hop, apim-request-id\r\n\
+              X-HOP: 1\r\nApim-Request-Id: a\r\nKeep-Alive: timeout=5\r\nTransfer-Encoding: chunked\r\n\
+              Content-Length: 9\r\nSet-Cookie: a=1\r\nset-cookie: b=2\r\nOpenAI-Organization: org\r\n\
+              openai-project: p\r\nX-Request-ID: up-1\r\nx-request-id: up-2\r\n\
+              X-Upstream-Request-Id: mine\r\nDate: Tue, 01 Jan 2030 00:00:00 GMT\r\n\
+              x-ratelimit-remaining-tokens: 900\r\nX-Spillgate-Backend: other\r\n\
+              x-spillgate-attempts: 9\r\nX-Spillgate-Model: m\r\nTE: trailers\r\nTrailer: x\r\n\
+              Upgrade: h2c\r\nProxy-Connection: close\r\nProxy-Authenticate: Basic\r\n\
+              Proxy-Authorization: Basic eA==\r\nX-Custom: v\r\nX-Custom: w\r\n\r\n",
+            b"Connection: close\r\nContent-Length: 0\r\nVary: Accept\r\n\r\n",
+            b"connection: ,x-other , \r\nX-Other: 1\r\nx-kept: 2\r\n\r\n",
+            b"\r\n",
+        ];
+        for lines in heads {
+            for strip in [false, true] {
+                let [through_map, relayed] = client_headers(lines, strip);
+                assert_eq!(relayed, through_map, "{}", String::from_utf8_lossy(lines));
+            }
+        }
+        // What that means for the second head.
+        let [_, relayed] = client_headers(heads[1], false);
+        let names: Vec<&str> = relayed.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "content-type",
+                "date",
+                "x-custom",
+                "x-custom",
+                "x-ratelimit-remaining-tokens",
+                "x-request-id",
+                "x-spillgate-attempts",
+                "x-spillgate-backend",
+                "x-spillgate-model",
+                "x-upstream-request-id",
+                "x-upstream-request-id",
+                "x-upstream-request-id",
+            ]
+        );
     }
 
     #[test]

@@ -23,6 +23,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use crate::app::App;
+use crate::front::Reply;
 
 /// The public listener's service: `/healthz` and `/readyz` through a small axum router,
 /// every other path straight to the proxy (a router, a middleware and an extractor per
@@ -48,9 +49,9 @@ where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<axum::BoxError>,
 {
-    type Response = Response;
+    type Response = Reply<axum::body::Body>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         Poll::Ready(Ok(()))
@@ -96,7 +97,11 @@ fn new_request_id() -> http::HeaderValue {
 /// new one), carried by every log line of the request, sent upstream and returned in
 /// `x-request-id`. `probes` serves `/healthz` and `/readyz` (not counted); the proxy
 /// serves (and counts) the rest.
-async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Request) -> Response {
+async fn serve(
+    app: Arc<App>,
+    probes: Option<Router>,
+    req: axum::extract::Request,
+) -> Reply<axum::body::Body> {
     use tower::ServiceExt;
     use tracing::Instrument;
     let header = match req
@@ -111,17 +116,22 @@ async fn serve(app: Arc<App>, probes: Option<Router>, req: axum::extract::Reques
     let id = header.to_str().unwrap_or("-");
     let span = tracing::info_span!("req", request_id = %id);
     let Some(probes) = probes else {
-        let mut resp = crate::proxy::handle(Arc::clone(&app), req, header.clone())
+        let mut reply = crate::proxy::handle(Arc::clone(&app), req, header.clone())
             .instrument(span)
             .await;
-        resp.headers_mut()
-            .insert(crate::proxy::HEADER_REQUEST_ID, header);
-        return resp;
+        match &mut reply {
+            Reply::Response(resp) => {
+                resp.headers_mut()
+                    .insert(crate::proxy::HEADER_REQUEST_ID, header);
+            }
+            Reply::Relay(relay) => relay.set_request_id(header),
+        }
+        return reply;
     };
     let Ok(mut resp) = probes.oneshot(req).instrument(span).await;
     resp.headers_mut()
         .insert(crate::proxy::HEADER_REQUEST_ID, header);
-    resp
+    Reply::Response(resp)
 }
 
 async fn healthz() -> impl IntoResponse {

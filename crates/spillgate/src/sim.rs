@@ -432,7 +432,8 @@ pub async fn drive(
             let router = router.clone();
             let out = Arc::clone(&out);
             tasks.spawn(async move {
-                let Ok(resp) = router.oneshot(req).await;
+                let Ok(reply) = router.oneshot(req).await;
+                let resp = reply.into_response();
                 let status = resp.status().as_u16();
                 let backend = resp
                     .headers()

@@ -18,7 +18,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::uri::{Authority, Scheme};
-use http::{header, HeaderMap, HeaderName, HeaderValue, Method};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body_util::Full;
 use hyper::client::conn::http2;
 use hyper_rustls::HttpsConnector;
@@ -53,6 +53,17 @@ pub trait Upstream: Send + Sync + 'static {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<http::Response<Body>, AttemptError>>;
 
+    /// [`Upstream::send`] for a request the proxy relays: the answer's headers as they
+    /// came where the connection kept them so (HTTP/1.1), else as a map.
+    fn relay<'a>(
+        &'a self,
+        req: UpstreamRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Upstreamed, AttemptError>> {
+        use futures_util::FutureExt;
+        Box::pin(self.send(req, timeout).map(|r| r.map(Upstreamed::from)))
+    }
+
     /// Sends `req`, one of the gateway's own requests (a health check, an identity
     /// token's) built as an `http::Request` with an absolute URI.
     fn send_http<'a>(
@@ -64,6 +75,54 @@ pub trait Upstream: Send + Sync + 'static {
             Ok(req) => self.send(req, timeout),
             Err(e) => Box::pin(std::future::ready(Err(e))),
         }
+    }
+}
+
+/// A backend's answer to a request the proxy relays.
+pub struct Upstreamed {
+    pub status: StatusCode,
+    pub headers: UpstreamHeaders,
+    pub body: Body,
+}
+
+/// A backend answer's headers: as they came over HTTP/1.1 (relayed line by line), or as
+/// a map (HTTP/2, and backends simulated in memory).
+pub enum UpstreamHeaders {
+    Wire(h1::RawHeaders),
+    Map(HeaderMap),
+}
+
+impl UpstreamHeaders {
+    /// The first value of the header named `name`, whatever its case.
+    pub fn get<'a>(&'a self, name: &'a HeaderName) -> Option<&'a [u8]> {
+        match self {
+            UpstreamHeaders::Wire(raw) => raw.get(name),
+            UpstreamHeaders::Map(map) => map.get(name).map(HeaderValue::as_bytes),
+        }
+    }
+}
+
+impl From<http::Response<Body>> for Upstreamed {
+    fn from(resp: http::Response<Body>) -> Upstreamed {
+        let (parts, body) = resp.into_parts();
+        Upstreamed {
+            status: parts.status,
+            headers: UpstreamHeaders::Map(parts.headers),
+            body,
+        }
+    }
+}
+
+impl Upstreamed {
+    /// As an `http::Response`, the headers in a map.
+    pub fn into_http(self) -> http::Response<Body> {
+        let mut resp = http::Response::new(self.body);
+        *resp.status_mut() = self.status;
+        *resp.headers_mut() = match self.headers {
+            UpstreamHeaders::Wire(raw) => raw.to_map(),
+            UpstreamHeaders::Map(map) => map,
+        };
+        resp
     }
 }
 
@@ -298,6 +357,18 @@ impl Upstream for UpstreamClient {
         req: UpstreamRequest<'a>,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<http::Response<Body>, AttemptError>> {
+        use futures_util::FutureExt;
+        Box::pin(
+            self.relay(req, timeout)
+                .map(|r| r.map(Upstreamed::into_http)),
+        )
+    }
+
+    fn relay<'a>(
+        &'a self,
+        req: UpstreamRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Upstreamed, AttemptError>> {
         // Read on the calling thread: the slot says which thread's pool to use.
         let slot = POOL_SLOT.with(std::cell::Cell::get) % MAX_POOLS;
         Box::pin(async move {
@@ -338,7 +409,7 @@ impl Inner {
         &self,
         slot: usize,
         req: &UpstreamRequest<'_>,
-    ) -> Result<http::Response<Body>, AttemptError> {
+    ) -> Result<Upstreamed, AttemptError> {
         let origin = Origin {
             scheme: req.scheme.clone(),
             authority: req.authority.clone(),
@@ -458,7 +529,7 @@ fn send_on<'a>(
     req: &'a UpstreamRequest<'_>,
     pool: &SharedPool,
     origin: &Origin,
-) -> impl std::future::Future<Output = Result<http::Response<Body>, h1::SendError>> + use<'a> {
+) -> impl std::future::Future<Output = Result<Upstreamed, h1::SendError>> + use<'a> {
     use futures_util::future::Either;
     use futures_util::FutureExt;
     match conn {
@@ -467,17 +538,21 @@ fn send_on<'a>(
                 pool: Arc::downgrade(pool),
                 origin: origin.clone(),
             };
-            Either::Left(h1.send(req, give_back).map(|sent| Ok(sent?.map(Body::new))))
+            Either::Left(h1.send(req, give_back).map(|sent| {
+                let resp = sent?;
+                Ok(Upstreamed {
+                    status: resp.status,
+                    headers: UpstreamHeaders::Wire(resp.headers),
+                    body: Body::new(resp.body),
+                })
+            }))
         }
         Conn::H2(h2) => Either::Right(Box::pin(send_h2(h2, req))),
     }
 }
 
 /// [`send_on`] over HTTP/2.
-async fn send_h2(
-    mut h2: H2,
-    req: &UpstreamRequest<'_>,
-) -> Result<http::Response<Body>, h1::SendError> {
+async fn send_h2(mut h2: H2, req: &UpstreamRequest<'_>) -> Result<Upstreamed, h1::SendError> {
     let mut req = req
         .to_http()
         .map_err(|e| h1::SendError::Failed(h1::Error::new(e.to_string())))?;
@@ -487,7 +562,7 @@ async fn send_h2(
     req.headers_mut().remove(header::HOST);
     req.headers_mut().remove(header::CONTENT_LENGTH);
     match h2.try_send_request(req).await {
-        Ok(resp) => Ok(resp.map(Body::new)),
+        Ok(resp) => Ok(Upstreamed::from(resp.map(Body::new))),
         Err(mut e) => {
             let error = h1::Error::new(error_chain(e.error()));
             Err(match e.take_message() {

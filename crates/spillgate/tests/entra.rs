@@ -698,7 +698,7 @@ impl Paused {
                 .header("content-type", "application/json")
                 .body(Body::from(body))
                 .unwrap();
-            let resp = r.oneshot(req).await.unwrap();
+            let resp = r.oneshot(req).await.unwrap().into_response();
             let (parts, body) = resp.into_parts();
             let body = body.collect().await.unwrap().to_bytes();
             (
@@ -751,7 +751,7 @@ async fn tokens_are_renewed_ahead_and_requests_at_expiry_share_one_fetch() {
                         .header("content-type", "application/json")
                         .body(Body::from(chat("gpt-4o")))
                         .unwrap();
-                    r.oneshot(req).await.unwrap().status()
+                    r.oneshot(req).await.unwrap().into_response().status()
                 })
             })
             .collect();

@@ -1633,7 +1633,8 @@ async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
         let resp = spillgate::server::router(Arc::clone(&app))
             .oneshot(req)
             .await
-            .unwrap();
+            .unwrap()
+            .into_response();
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(
             counted(),

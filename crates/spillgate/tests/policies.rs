@@ -199,7 +199,13 @@ impl Gw {
             .header("content-type", "application/json")
             .body(Body::from(body.to_string()))
             .unwrap();
-        let resp = self.router.clone().oneshot(req).await.unwrap();
+        let resp = self
+            .router
+            .clone()
+            .oneshot(req)
+            .await
+            .unwrap()
+            .into_response();
         let (parts, body) = resp.into_parts();
         let body = body.collect().await.unwrap().to_bytes();
         (
@@ -833,7 +839,8 @@ async fn spawn_chat(gw: &Gw, low: bool, model: &str) -> tokio::task::JoinHandle<
         let resp = router
             .oneshot(req.body(Body::from(body)).unwrap())
             .await
-            .unwrap();
+            .unwrap()
+            .into_response();
         let b = resp
             .headers()
             .get("x-spillgate-backend")

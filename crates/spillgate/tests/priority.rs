@@ -164,7 +164,8 @@ async fn a_refused_low_priority_request_says_why_and_when() {
             let resp = router
                 .oneshot(req.body(Body::from(body())).unwrap())
                 .await
-                .unwrap();
+                .unwrap()
+                .into_response();
             let (parts, b) = resp.into_parts();
             (
                 parts.status,
@@ -343,6 +344,7 @@ async fn the_gateways_own_answers_are_counted_once_with_their_priority() {
                 .oneshot(req.body(Body::from(body)).unwrap())
                 .await
                 .unwrap()
+                .into_response()
                 .status()
         }
     };
