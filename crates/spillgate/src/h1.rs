@@ -10,6 +10,10 @@
 //! the chunks cut from it; an empty one is let go of before a read (see [`poll_fill`]),
 //! so a connection waiting between two events holds none.
 //!
+//! A response head is kept as it came ([`RawHeaders`]: its bytes and where each header
+//! lies in them): the proxy reads what it needs from it and relays the lines to the
+//! client, with no header map in between.
+//!
 //! The client side ([`crate::front`]) reads heads and decodes request bodies with the
 //! same pieces: [`poll_fill`], [`HeadSpans`], [`decode`] and [`Framing`],
 //! [`content_length`], and the `Connection` token checks.
