@@ -546,21 +546,18 @@ impl HeadSpans {
     pub(crate) fn take_raw(&self, buf: &mut BytesMut, len: usize) -> RawHeaders {
         let head = buf.split_to(len).freeze();
         let mut seen = Seen::default();
-        let fields = self
-            .spans()
-            .iter()
-            .map(|span| {
-                let name = head.get(span.name.range()).unwrap_or_default();
-                let common = common_index(name);
-                if let Some(i) = common {
-                    seen.note(i, head.get(span.value.range()).unwrap_or_default());
-                }
-                Field {
-                    span: *span,
-                    common: common.map_or(NO_NAME, |i| i as u8),
-                }
-            })
-            .collect();
+        let mut fields = spare_fields();
+        fields.extend(self.spans().iter().map(|span| {
+            let name = head.get(span.name.range()).unwrap_or_default();
+            let common = common_index(name);
+            if let Some(i) = common {
+                seen.note(i, head.get(span.value.range()).unwrap_or_default());
+            }
+            Field {
+                span: *span,
+                common: common.map_or(NO_NAME, |i| i as u8),
+            }
+        }));
         RawHeaders { head, fields, seen }
     }
 }
@@ -643,6 +640,44 @@ impl RawHeaders {
         }
         map
     }
+}
+
+impl Drop for RawHeaders {
+    /// The list of where each header lies goes back to the thread's spares.
+    fn drop(&mut self) {
+        recycle_fields(std::mem::take(&mut self.fields));
+    }
+}
+
+thread_local! {
+    /// Emptied lists of where a response's headers lay, for the next responses this
+    /// thread reads: each new list cost an allocation and its free. As with the header
+    /// maps ([`SPARE`]), a connection's responses are read and written on its thread.
+    static SPARE_FIELDS: std::cell::RefCell<Vec<Vec<Field>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An empty list: a spare one when this thread has one.
+fn spare_fields() -> Vec<Field> {
+    SPARE_FIELDS
+        .try_with(|spare| spare.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Empties `fields` and keeps it for this thread's next response head, within the same
+/// bounds as the header maps kept; else drops it.
+fn recycle_fields(mut fields: Vec<Field>) {
+    if fields.capacity() == 0 || fields.capacity() > SPARE_CAPACITY {
+        return;
+    }
+    fields.clear();
+    let _ = SPARE_FIELDS.try_with(|spare| {
+        let mut spare = spare.borrow_mut();
+        if spare.len() < SPARE_MAPS {
+            spare.push(fields);
+        }
+    });
 }
 
 /// Where the headers of `lines` (a head without its start line) lie, and the head's
@@ -1489,6 +1524,31 @@ mod tests {
         }
         assert_eq!(SPARE.with_borrow(Vec::len), SPARE_MAPS);
         assert!(SPARE.with_borrow(|s| s.iter().all(HeaderMap::is_empty)));
+    }
+
+    /// A list of where a response's headers lay, given back when the response is done,
+    /// is reused by the thread's next response empty: no header of one shows in
+    /// another's. Lists too large are dropped.
+    #[test]
+    fn reused_field_lists_carry_nothing_over() {
+        SPARE_FIELDS.with_borrow_mut(Vec::clear);
+        let first = raw_headers(b"Authorization: Bearer secret\r\nX-One: 1\r\nX-Two: 2\r\n\r\n");
+        let capacity = first.fields.capacity();
+        drop(first);
+        assert_eq!(SPARE_FIELDS.with_borrow(Vec::len), 1);
+        let second = raw_headers(b"X-Three: 3\r\n\r\n");
+        assert_eq!(SPARE_FIELDS.with_borrow(Vec::len), 0, "the spare was taken");
+        assert_eq!(second.fields.capacity(), capacity, "the same list");
+        let names: Vec<&[u8]> = second.fields().map(|(_, n, _)| n).collect();
+        assert_eq!(names, [b"X-Three".as_slice()]);
+        assert!(second.get(&header::AUTHORIZATION).is_none());
+        recycle_fields(Vec::with_capacity(SPARE_CAPACITY * 2));
+        recycle_fields(Vec::new());
+        assert_eq!(
+            SPARE_FIELDS.with_borrow(Vec::len),
+            0,
+            "too large, or nothing to keep"
+        );
     }
 
     /// What a head says it has of the framing headers is what its map has, in any case
