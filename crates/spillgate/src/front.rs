@@ -313,9 +313,9 @@ impl<B> Reply<B> {
         match self {
             Reply::Response(resp) => resp,
             Reply::Relay(relay) => {
-                let (status, head, body) = relay.into_parts();
+                let (head, body) = relay.into_parts();
                 let mut resp = http::Response::new(body);
-                *resp.status_mut() = status;
+                *resp.status_mut() = head.status();
                 *resp.headers_mut() = head.to_map();
                 resp
             }
@@ -623,8 +623,8 @@ where
             (parts.status, Fields::Map(parts.headers), body)
         }
         Reply::Relay(relay) => {
-            let (status, lines, body) = relay.into_parts();
-            (status, Fields::Relay(lines), body)
+            let (lines, body) = relay.into_parts();
+            (lines.status(), Fields::Relay(lines), body)
         }
     };
     // A 1xx is never a final answer: one given as such would leave the client waiting for

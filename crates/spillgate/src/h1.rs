@@ -190,7 +190,8 @@ impl Conn {
                     "the backend switched protocols, which the gateway never asks for",
                 )));
             }
-            let (framing, keep_alive) = framing(is_head, head.status, head.version, &head.headers)
+            let mut headers = head.headers;
+            let (framing, keep_alive) = framing(is_head, head.status, head.version, &mut headers)
                 .map_err(SendError::Failed)?;
             // Answered before taking the whole request: the rest of it is not sent, so the
             // connection cannot carry another.
@@ -203,7 +204,7 @@ impl Conn {
             body.settle();
             Ok(Response {
                 status: head.status,
-                headers: head.headers,
+                headers,
                 body,
             })
         }
@@ -444,7 +445,14 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Error> {
         buf,
         &mut parsed,
     ) {
-        Ok(httparse::Status::Complete(len)) => len,
+        // One read may have brought more than the limit at once.
+        Ok(httparse::Status::Complete(len)) if len <= MAX_HEAD => len,
+        Ok(httparse::Status::Complete(_)) => {
+            return Err(Error::new(format!(
+                "response head over {} KiB",
+                MAX_HEAD / 1024
+            )))
+        }
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => {
             return Err(Error::new(format!(
@@ -541,7 +549,8 @@ impl HeadSpans {
 
     /// Takes the head, its first `len` bytes, off `buf`, its headers as they came. Their
     /// names and values are the ones httparse accepted, the same bytes `HeaderName` and
-    /// `HeaderValue` accept (a token; visible ASCII, spaces, tabs and obs-text): checking
+    /// `HeaderValue` accept (a token; visible ASCII, spaces, tabs and obs-text), and the
+    /// head is within [`MAX_HEAD`], so no name is over `HeaderName`'s 64 KiB: checking
     /// them again is left to [`RawHeaders::to_map`].
     pub(crate) fn take_raw(&self, buf: &mut BytesMut, len: usize) -> RawHeaders {
         let head = buf.split_to(len).freeze();
@@ -558,7 +567,12 @@ impl HeadSpans {
                 common: common.map_or(NO_NAME, |i| i as u8),
             }
         }));
-        RawHeaders { head, fields, seen }
+        RawHeaders {
+            head,
+            fields,
+            seen,
+            stray_length: false,
+        }
     }
 }
 
@@ -579,6 +593,9 @@ pub struct RawHeaders {
     head: Bytes,
     fields: Vec<Field>,
     seen: Seen,
+    /// A `Content-Length` beside a `Transfer-Encoding`, in an answer with a body: not
+    /// the body's length (see [`framing`]), and not passed on.
+    stray_length: bool,
 }
 
 impl RawHeaders {
@@ -604,23 +621,24 @@ impl RawHeaders {
         self.values(name).next()
     }
 
-    /// The body length its `Content-Length` gives: none beside a `Transfer-Encoding`
-    /// (then it is not the body's), nor when it is malformed or conflicting.
+    /// The body length its `Content-Length` gives (to a HEAD request, the length a GET
+    /// would get): none when it is not the body's ([`framing`]), nor when it is
+    /// malformed or conflicting.
     pub(crate) fn declared_length(&self) -> Option<u64> {
-        if self.seen.transfer_encoding {
+        if self.stray_length {
             return None;
         }
         self.seen.content_length(self).ok().flatten()
     }
 
     /// The headers as a map, their values sharing the head's bytes; a `Content-Length`
-    /// beside a `Transfer-Encoding` is left out, not being the body's. A header the map
-    /// would refuse is left out too, which none that httparse read is (see
+    /// that is not the body's is left out. A header the map would refuse is left out
+    /// too, which none that httparse read within the head's limit is (see
     /// [`HeadSpans::take_raw`]).
     pub fn to_map(&self) -> HeaderMap {
         let mut map = HeaderMap::with_capacity(self.fields.len());
         for f in &self.fields {
-            if self.seen.transfer_encoding && usize::from(f.common) == CONTENT_LENGTH {
+            if self.stray_length && usize::from(f.common) == CONTENT_LENGTH {
                 continue;
             }
             let name = match f.common {
@@ -1056,12 +1074,12 @@ pub(crate) enum Chunk {
 
 /// The framing of a response body (RFC 9112, section 6.3), and whether the connection
 /// can carry another request after it. A `Content-Length` beside a `Transfer-Encoding` is
-/// not the body's (see [`RawHeaders::declared_length`]).
+/// not the body's: `headers` notes it as stray.
 fn framing(
     is_head: bool,
     status: StatusCode,
     version: Version,
-    headers: &RawHeaders,
+    headers: &mut RawHeaders,
 ) -> Result<(Framing, bool), Error> {
     let seen = headers.seen;
     let mut keep_alive = version == Version::HTTP_11 && !seen.connection_has(headers, "close");
@@ -1072,6 +1090,7 @@ fn framing(
         let chunked = seen.chunked(headers);
         // With a Content-Length too, the message is suspect: not reused.
         keep_alive &= !seen.content_length;
+        headers.stray_length = seen.content_length;
         return Ok(if chunked {
             (Framing::Chunked(Chunk::Size), keep_alive)
         } else {
@@ -2174,6 +2193,15 @@ mod tests {
             Err(SendError::Failed(e)) => assert!(e.to_string().contains("over 64 KiB"), "{e}"),
             _ => panic!("accepted"),
         }
+        // A whole head over the limit, the end of which came in one read with more.
+        let mut whole = b"HTTP/1.1 200 OK\r\nx-filler: ".to_vec();
+        whole.resize(MAX_HEAD + 100, b'a');
+        whole.extend_from_slice(b"\r\nContent-Length: 0\r\n\r\n");
+        let (resp, _, _server) = respond(&whole).await;
+        match resp {
+            Err(SendError::Failed(e)) => assert!(e.to_string().contains("over 64 KiB"), "{e}"),
+            _ => panic!("accepted"),
+        }
         let mut many = b"HTTP/1.1 200 OK\r\n".to_vec();
         for i in 0..=MAX_HEADERS {
             many.extend_from_slice(format!("x-h{i}: v\r\n").as_bytes());
@@ -2185,6 +2213,34 @@ mod tests {
                 assert!(e.to_string().contains("more than 128 headers"), "{e}")
             }
             _ => panic!("accepted"),
+        }
+    }
+
+    /// A `Content-Length` beside a `Transfer-Encoding` is not the body's and is not
+    /// passed on; to a HEAD request there is no body, and it is the length a GET would
+    /// get.
+    #[tokio::test]
+    async fn a_stray_length_is_dropped_unless_the_answer_has_no_body() {
+        let head = b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n";
+        for (method, body, declared) in [
+            (Method::HEAD, &b""[..], Some(99)),
+            (Method::POST, &b"2\r\nok\r\n0\r\n\r\n"[..], None),
+        ] {
+            let (conn, mut server) = pair();
+            server.write_all(head).await.unwrap();
+            server.write_all(body).await.unwrap();
+            let mut req = post("{}");
+            *req.method_mut() = method.clone();
+            let resp = conn
+                .send(&UpstreamRequest::of(&req).unwrap(), Back::default())
+                .await
+                .unwrap();
+            assert_eq!(resp.headers.declared_length(), declared, "{method}");
+            assert_eq!(
+                resp.headers.to_map().contains_key(header::CONTENT_LENGTH),
+                declared.is_some(),
+                "{method}"
+            );
         }
     }
 

@@ -140,12 +140,23 @@ const CLIENT_ONLY_HEADERS: [&str; 5] = [
 /// Backend response headers that are the backend account's business, not the client's.
 const BACKEND_ONLY_HEADERS: [&str; 3] = ["openai-organization", "openai-project", "set-cookie"];
 
+/// The gateway's own response headers, which a backend's answer (another gateway's, say)
+/// may carry too: the client gets the gateway's, or none.
+const GATEWAY_HEADERS: [&str; 3] = [
+    "x-spillgate-backend",
+    "x-spillgate-attempts",
+    "x-spillgate-model",
+];
+
 /// The backend's response headers as they go to the client, filtered in place: the
 /// headers kept are neither copied nor hashed again, as they were when a new map was
-/// built (removals move the last header into the gap, so the order may change). `extra`
-/// is room for the headers the gateway adds.
+/// built (removals move the last header into the gap, so the order may change). Hop-by-hop,
+/// backend-only and the gateway's own headers stay behind. `extra` is room for the
+/// headers the gateway adds.
 fn response_headers(mut headers: HeaderMap, extra: usize) -> HeaderMap {
-    let unwanted = unwanted_names(&headers, |n| BACKEND_ONLY_HEADERS.contains(&n));
+    let unwanted = unwanted_names(&headers, |n| {
+        BACKEND_ONLY_HEADERS.contains(&n) || GATEWAY_HEADERS.contains(&n)
+    });
     for name in &unwanted {
         headers.remove(name);
     }
@@ -181,15 +192,11 @@ enum Rule {
 /// backend's.
 const RELAY_RULES: [Rule; h1::COMMON_NAME_TEXTS.len()] = {
     let mut rules = [Rule::Keep; h1::COMMON_NAME_TEXTS.len()];
-    let dropped: [&[&str]; 3] = [
+    let dropped: [&[&str]; 4] = [
         &HOP_BY_HOP,
         &BACKEND_ONLY_HEADERS,
-        &[
-            "content-length",
-            "x-spillgate-backend",
-            "x-spillgate-attempts",
-            "x-spillgate-model",
-        ],
+        &GATEWAY_HEADERS,
+        &["content-length"],
     ];
     let mut list = 0;
     while list < dropped.len() {
@@ -235,12 +242,16 @@ impl<B> Relay<B> {
         self.head.request_id = Some(id);
     }
 
-    pub fn into_parts(self) -> (StatusCode, RelayHead, B) {
-        (self.head.status, self.head, self.body)
+    pub fn into_parts(self) -> (RelayHead, B) {
+        (self.head, self.body)
     }
 }
 
 impl RelayHead {
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
     /// The body's length as the backend declared it, if it still holds.
     pub fn length(&self) -> Option<u64> {
         self.length
@@ -251,7 +262,8 @@ impl RelayHead {
         self.each_header(|name, value| h1::raw_line(out, name, value))
     }
 
-    /// The headers as a map (for a relay that is not written to a client connection).
+    /// The headers as a map, with the declared length (for a relay that is not written
+    /// to a client connection, which would frame it itself).
     pub fn to_map(&self) -> HeaderMap {
         let mut map = HeaderMap::new();
         self.each_header(|name, value| {
@@ -259,6 +271,9 @@ impl RelayHead {
                 map.append(n, v);
             }
         });
+        if let Some(n) = self.length {
+            map.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        }
         map
     }
 
@@ -1163,9 +1178,10 @@ fn candidate_model<'a>(ctx: &'a Ctx<'_>, i: usize) -> &'a str {
 /// Reads and drops what is left of a response the client will not get, so its
 /// connection can go back to the pool (bounded in size and time, off the request path).
 fn discard(response: Option<Upstreamed>) {
-    if let Some(r) = response {
+    // The body only: the head is let go of now.
+    if let Some(Upstreamed { body, .. }) = response {
         tokio::spawn(async move {
-            let body = Limited::new(r.body, DRAIN_LIMIT);
+            let body = Limited::new(body, DRAIN_LIMIT);
             let _ = tokio::time::timeout(Duration::from_secs(1), body.collect()).await;
         });
     }
@@ -2483,7 +2499,7 @@ mod tests {
     /// lower case, sorted: through a map (`response_headers`, the gateway's own inserted,
     /// then the listener's writer, which leaves out the framing headers) and relayed as
     /// they came.
-    fn client_headers(lines: &[u8], strip: bool) -> [Vec<(String, String)>; 2] {
+    fn client_headers(lines: &[u8], strip: bool, model: bool) -> [Vec<(String, String)>; 2] {
         let sorted = |mut pairs: Vec<(String, String)>| {
             pairs.sort();
             pairs
@@ -2503,7 +2519,9 @@ mod tests {
             map.remove(header::CONTENT_LENGTH);
         }
         for (name, value) in &own {
-            map.insert(name.clone(), value.clone());
+            if model || *name != HEADER_MODEL {
+                map.insert(name.clone(), value.clone());
+            }
         }
         let through_map = map
             .iter()
@@ -2523,7 +2541,7 @@ mod tests {
             lines: raw,
             backend: own[0].1.clone(),
             attempts: own[1].1.clone(),
-            model: Some(own[2].1.clone()),
+            model: model.then(|| own[2].1.clone()),
             request_id: Some(own[3].1.clone()),
         };
         let mut relayed = Vec::new();
@@ -2558,13 +2576,13 @@ mod tests {
             b"\r\n",
         ];
         for lines in heads {
-            for strip in [false, true] {
-                let [through_map, relayed] = client_headers(lines, strip);
+            for (strip, model) in [(false, true), (true, true), (false, false)] {
+                let [through_map, relayed] = client_headers(lines, strip, model);
                 assert_eq!(relayed, through_map, "{}", String::from_utf8_lossy(lines));
             }
         }
         // What that means for the second head.
-        let [_, relayed] = client_headers(heads[1], false);
+        let [_, relayed] = client_headers(heads[1], false, true);
         let names: Vec<&str> = relayed.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             names,
