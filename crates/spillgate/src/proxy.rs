@@ -385,33 +385,20 @@ fn visible_str(value: &[u8]) -> Option<&str> {
 impl<'a> Signals<'a> {
     fn read(headers: &'a UpstreamHeaders) -> Self {
         let mut found = [None; SIGNAL_HEADERS.len()];
+        let mut note = |common: Option<usize>, value: &'a [u8]| {
+            let Some(c) = common else { return };
+            if let Some(i) = SIGNAL_COMMON.iter().position(|&s| s == c) {
+                if found[i].is_none() {
+                    found[i] = Some(visible_str(value));
+                }
+            }
+        };
         match headers {
-            UpstreamHeaders::Wire(raw) => {
-                for (common, _, value) in raw.fields() {
-                    let Some(c) = common else { continue };
-                    if let Some(i) = SIGNAL_COMMON.iter().position(|&s| s == c) {
-                        if found[i].is_none() {
-                            found[i] = Some(visible_str(value));
-                        }
-                    }
-                }
-            }
-            UpstreamHeaders::Map(map) => {
-                for (name, value) in map {
-                    let n = name.as_str();
-                    if !(n.starts_with("x-ratelimit-")
-                        || n.starts_with("retry-after")
-                        || n.starts_with("x-ms-"))
-                    {
-                        continue;
-                    }
-                    if let Some(i) = SIGNAL_HEADERS.iter().position(|s| *s == n) {
-                        if found[i].is_none() {
-                            found[i] = Some(value.to_str().ok());
-                        }
-                    }
-                }
-            }
+            UpstreamHeaders::Wire(raw) => raw.fields().for_each(|(c, _, v)| note(c, v)),
+            // HTTP/2 answers and in-memory backends: each name looked up as `h1` does.
+            UpstreamHeaders::Map(map) => map
+                .iter()
+                .for_each(|(n, v)| note(h1::common_index(n.as_str().as_bytes()), v.as_bytes())),
         }
         Signals(found.map(Option::flatten))
     }
