@@ -1025,15 +1025,53 @@ pub(crate) fn common_index(name: &[u8]) -> Option<usize> {
     }
 }
 
-/// Whether `name` is `lower` (lower-case) in any case: each byte equal, or a letter of
-/// `lower` upper-cased. Folded over all the bytes, without a branch per byte, which the
-/// compiler vectorizes (`eq_ignore_ascii_case` cost as much as parsing the name).
+/// Whether `name` is `lower` (lower-case ASCII, as every header name the gateway looks
+/// for is) in any case: each byte equal, or a letter of `lower` upper-cased. Eight bytes
+/// at a time (the last eight overlapping the ones before when the length is not a
+/// multiple of eight), without a branch per byte: a byte at a time it cost about 9
+/// instructions a byte, and looking up a head's names in [`COMMON_NAMES`] was 7.7% of
+/// a request with the OpenAI SDK's headers (callgrind; 6.8% since).
 pub(crate) fn same_ignoring_case(name: &[u8], lower: &[u8]) -> bool {
-    name.len() == lower.len()
-        && name.iter().zip(lower).fold(0, |diff, (&n, &l)| {
+    debug_assert!(lower.is_ascii());
+    let len = lower.len();
+    if name.len() != len {
+        return false;
+    }
+    if len < 8 {
+        return name.iter().zip(lower).fold(0, |diff, (&n, &l)| {
             let letter = u8::from(l.wrapping_sub(b'a') < 26) << 5;
             diff | ((n | letter) ^ l)
-        }) == 0
+        }) == 0;
+    }
+    // Never `None`: `at + 8 <= len`.
+    let word = |bytes: &[u8], at: usize| {
+        bytes
+            .get(at..at + 8)
+            .and_then(|w| <[u8; 8]>::try_from(w).ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    let mut diff = 0;
+    let mut at = 0;
+    loop {
+        let from = at.min(len - 8);
+        diff |= case_folded_diff(word(name, from), word(lower, from));
+        at += 8;
+        if at >= len {
+            return diff == 0;
+        }
+    }
+}
+
+/// The bits by which eight bytes of a name differ from eight of lower-case ASCII `l`,
+/// the case of `l`'s letters ignored. Each byte of `l` is below 0x80, so adding to it
+/// carries into no other byte: `l + 0x1f` has its high bit set from `a` up, `l + 0x05`
+/// from `{` up, and between the two are the letters, whose 0x20 bit is then ignored.
+fn case_folded_diff(n: u64, l: u64) -> u64 {
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let from_a = l.wrapping_add(0x1f1f_1f1f_1f1f_1f1f);
+    let from_brace = l.wrapping_add(0x0505_0505_0505_0505);
+    let letters = (from_a & !from_brace & HIGH) >> 2;
+    (n | letters) ^ l
 }
 
 /// How a body ends.
@@ -1447,6 +1485,48 @@ mod tests {
     use std::sync::{Arc, Mutex};
     use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
+    /// Eight bytes at a time, names are compared as a byte at a time would: for every
+    /// common name, in lower, upper and mixed case, and with each byte in turn changed
+    /// to bytes that differ from it in one bit or are its other case.
+    #[test]
+    fn names_compare_eight_bytes_at_a_time_as_one_at_a_time() {
+        let one_at_a_time = |name: &[u8], lower: &[u8]| {
+            name.len() == lower.len()
+                && name.iter().zip(lower).all(|(&n, &l)| {
+                    n == l || (l.is_ascii_lowercase() && n == l.to_ascii_uppercase())
+                })
+        };
+        for lower in COMMON_NAME_TEXTS {
+            let lower = lower.as_bytes();
+            let mixed: Vec<u8> = lower
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    if i % 3 == 0 {
+                        b.to_ascii_uppercase()
+                    } else {
+                        *b
+                    }
+                })
+                .collect();
+            for name in [lower.to_vec(), lower.to_ascii_uppercase(), mixed] {
+                assert!(same_ignoring_case(&name, lower), "{name:?}");
+                for i in 0..name.len() {
+                    for flip in [0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x0d] {
+                        let mut changed = name.clone();
+                        changed[i] ^= flip;
+                        assert_eq!(
+                            same_ignoring_case(&changed, lower),
+                            one_at_a_time(&changed, lower),
+                            "{changed:?} against {lower:?}"
+                        );
+                    }
+                }
+                assert!(!same_ignoring_case(&name[1..], lower));
+            }
+        }
+    }
+
     #[test]
     fn case_is_ignored_for_letters_only() {
         assert!(same_ignoring_case(b"X-Ms-Region", b"x-ms-region"));
@@ -1460,6 +1540,11 @@ mod tests {
         assert!(!same_ignoring_case(b"\x10", b"0"));
         assert!(!same_ignoring_case(b"@", b"`"));
         assert!(!same_ignoring_case(b"[", b"{"));
+        // The same, eight bytes at a time: `^` and `~`, `\` and `|` (tokens both).
+        assert!(!same_ignoring_case(b"x-long-^", b"x-long-~"));
+        assert!(!same_ignoring_case(b"x-longer-\\-name", b"x-longer-|-name"));
+        assert!(!same_ignoring_case(b"@-longer-name", b"`-longer-name"));
+        assert!(same_ignoring_case(b"X-LONG-~|", b"x-long-~|"));
     }
 
     #[test]
