@@ -676,26 +676,15 @@ thread_local! {
 
 /// An empty list: a spare one when this thread has one.
 fn spare_fields() -> Vec<Field> {
-    SPARE_FIELDS
-        .try_with(|spare| spare.borrow_mut().pop())
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    take_spare(&SPARE_FIELDS)
 }
 
 /// Empties `fields` and keeps it for this thread's next response head, within the same
 /// bounds as the header maps kept; else drops it.
 fn recycle_fields(mut fields: Vec<Field>) {
-    if fields.capacity() == 0 || fields.capacity() > SPARE_CAPACITY {
-        return;
-    }
+    let capacity = fields.capacity();
     fields.clear();
-    let _ = SPARE_FIELDS.try_with(|spare| {
-        let mut spare = spare.borrow_mut();
-        if spare.len() < SPARE_MAPS {
-            spare.push(fields);
-        }
-    });
+    keep_spare(&SPARE_FIELDS, fields, capacity);
 }
 
 /// Where the headers of `lines` (a head without its start line) lie, and the head's
@@ -868,25 +857,43 @@ thread_local! {
 
 /// An empty map: a spare one when this thread has one.
 fn spare_map() -> HeaderMap {
+    take_spare(&SPARE)
+}
+
+/// Empties `map` and keeps it for this thread's next head, when it is not too large and
+/// the thread has not enough spares already; else drops it.
+pub(crate) fn recycle(mut map: HeaderMap) {
+    let capacity = map.capacity();
+    map.clear();
+    keep_spare(&SPARE, map, capacity);
+}
+
+/// A thread's spare of `spares` (emptied when kept), or a new one.
+fn take_spare<T: Default + 'static>(
+    spares: &'static std::thread::LocalKey<std::cell::RefCell<Vec<T>>>,
+) -> T {
     // `try_with`: no spare (rather than a panic) while the thread's locals are destroyed.
-    SPARE
+    spares
         .try_with(|spare| spare.borrow_mut().pop())
         .ok()
         .flatten()
         .unwrap_or_default()
 }
 
-/// Empties `map` and keeps it for this thread's next head, when it is not too large and
-/// the thread has not enough spares already; else drops it.
-pub(crate) fn recycle(mut map: HeaderMap) {
-    if map.capacity() == 0 || map.capacity() > SPARE_CAPACITY {
+/// Keeps `empty` (of `capacity` headers) in this thread's `spares`, when it is neither
+/// unallocated nor too large and the thread has not enough spares already; else drops it.
+fn keep_spare<T: 'static>(
+    spares: &'static std::thread::LocalKey<std::cell::RefCell<Vec<T>>>,
+    empty: T,
+    capacity: usize,
+) {
+    if capacity == 0 || capacity > SPARE_CAPACITY {
         return;
     }
-    map.clear();
-    let _ = SPARE.try_with(|spare| {
+    let _ = spares.try_with(|spare| {
         let mut spare = spare.borrow_mut();
         if spare.len() < SPARE_MAPS {
-            spare.push(map);
+            spare.push(empty);
         }
     });
 }
