@@ -290,6 +290,7 @@ impl RelayHead {
         } else {
             SmallVec::new()
         };
+        let renamed = HEADER_UPSTREAM_REQUEST_ID;
         let mut dated = false;
         for (common, name, value) in self.lines.fields() {
             let rule = common.map_or(Rule::Keep, |i| RELAY_RULES[i]);
@@ -297,7 +298,7 @@ impl RelayHead {
                 continue;
             }
             let name = match rule {
-                Rule::Rename => b"x-upstream-request-id",
+                Rule::Rename => renamed.as_str().as_bytes(),
                 _ => name,
             };
             dated |= rule == Rule::Date;
