@@ -268,11 +268,15 @@ fn parse_head(
 /// request after request, which is then cloned rather than parsed again (`http`'s
 /// parse, byte by byte, was about 370 instructions a request, callgrind). The target is
 /// kept in a copy of its own: a slice of the request head would hold the connection's
-/// read buffer, which could then not be reused.
+/// read buffer, which could then not be reused. A target longer than
+/// [`LastTarget::MAX`] is parsed each time and not kept.
 #[derive(Default)]
 struct LastTarget(Option<(Bytes, Uri)>);
 
 impl LastTarget {
+    /// The longest target kept (API paths with their query are far shorter).
+    const MAX: usize = 512;
+
     /// `target` as a `Uri`, the last one's when it is the same bytes.
     fn uri(&mut self, target: &[u8]) -> Result<Uri, GatewayError> {
         if let Some((last, uri)) = &self.0 {
@@ -284,7 +288,9 @@ impl LastTarget {
         let uri = Uri::from_maybe_shared(copy.clone()).map_err(|_| {
             GatewayError::bad_request("invalid_request_head", "Invalid request target.")
         })?;
-        self.0 = Some((copy, uri.clone()));
+        if target.len() <= Self::MAX {
+            self.0 = Some((copy, uri.clone()));
+        }
         Ok(uri)
     }
 }
@@ -1566,22 +1572,36 @@ mod tests {
     fn a_repeated_target_gets_the_same_uri_and_another_its_own() {
         let mut last = LastTarget::default();
         let parsed = |t: &str| Uri::from_maybe_shared(Bytes::copy_from_slice(t.as_bytes()));
+        let long = format!("/v1/models?x={}", "y".repeat(LastTarget::MAX));
         for target in [
             "/v1/chat/completions",
             "/v1/chat/completions",
+            // Same lengths, other bytes.
+            "/v1/chat/completionz",
             "/v1/chat/completions?x=1",
+            "/v1/chat/completions?x=2",
+            "/v2/chat/completions?x=2",
             "http://gateway.example/v1/chat/completions",
             "/v1/chat/completions",
             "/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21",
             "*",
+            "/v1/chat/completions",
+            &long,
+            &long,
             "/v1/chat/completions",
         ] {
             let uri = last.uri(target.as_bytes()).unwrap();
             assert_eq!(uri, parsed(target).unwrap(), "{target}");
             assert_eq!(uri.to_string(), target);
         }
-        // A target refused leaves the last one as it was.
+        // A target refused is refused again: nothing of it was kept.
         assert!(last.uri(b"/a b").is_err());
+        assert!(last.uri(b"/a b").is_err());
+        assert!(last.uri(&long.as_bytes()[..LastTarget::MAX + 4]).is_ok());
+        assert!(last
+            .0
+            .as_ref()
+            .is_some_and(|(t, _)| t.len() <= LastTarget::MAX));
         assert_eq!(
             last.uri(b"/v1/chat/completions").unwrap(),
             "/v1/chat/completions"
