@@ -10,10 +10,10 @@
 //! Each connection is one task: it reads a head, calls the service, and polls the
 //! service's future itself. The service answers a [`Reply`]: a response, whose head is
 //! written from its header map, or a backend's answer relayed with its header lines as
-//! they came (see [`crate::proxy::Relay`]). The request body reads the same socket when the service
-//! polls it; once it has been read, the socket is watched for the client going away,
-//! which drops (and so cancels) the request in flight. Requests are answered in order;
-//! one sent before the previous answer (pipelined) waits in the buffer.
+//! they came (see [`crate::proxy::Relay`]). The request body reads the same socket when
+//! the service polls it; once it has been read, the socket is watched for the client
+//! going away, which drops (and so cancels) the request in flight. Requests are answered
+//! in order; one sent before the previous answer (pipelined) waits in the buffer.
 //!
 //! What it does not do, because the gateway's clients never need it: upgrades, HTTP/2,
 //! or trailers (received ones are dropped; none are sent).

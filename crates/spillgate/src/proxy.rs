@@ -123,21 +123,30 @@ struct NameFilter {
 }
 
 impl NameFilter {
-    const fn of(lists: &[&[&str]], prefix: &'static str) -> NameFilter {
-        let mut by_first = [0u64; 32];
+    /// Over `hop_by_hop`, each of `lists`, and `prefix`.
+    const fn of(hop_by_hop: &[&str], lists: &[&[&str]], prefix: &'static str) -> NameFilter {
+        let mut filter = NameFilter {
+            by_first: [0; 32],
+            prefix,
+        };
+        filter.add(hop_by_hop);
         let mut l = 0;
         while l < lists.len() {
-            let mut k = 0;
-            while k < lists[l].len() {
-                let name = lists[l][k].as_bytes();
-                // Every listed name is under 64 bytes: refused at compile time otherwise.
-                assert!(!name.is_empty() && name.len() < 64);
-                by_first[(name[0] & 31) as usize] |= 1 << name.len();
-                k += 1;
-            }
+            filter.add(lists[l]);
             l += 1;
         }
-        NameFilter { by_first, prefix }
+        filter
+    }
+
+    const fn add(&mut self, names: &[&str]) {
+        let mut k = 0;
+        while k < names.len() {
+            let name = names[k].as_bytes();
+            // Every listed name is under 64 bytes: refused at compile time otherwise.
+            assert!(!name.is_empty() && name.len() < 64);
+            self.by_first[(name[0] & 31) as usize] |= 1 << name.len();
+            k += 1;
+        }
     }
 
     /// Whether `name` may be in the lists (or starts with the prefix).
@@ -153,19 +162,30 @@ impl NameFilter {
     }
 }
 
+/// The lists of the client's header names that never go upstream, besides the hop-by-hop
+/// ones, the `x-forwarded-*` family and those a `Connection` header lists: what
+/// [`not_forwarded`] and [`FORWARD_FILTER`] are both made from.
+const NOT_FORWARDED: [&[&str]; 3] = [
+    &CLIENT_CREDENTIAL_HEADERS,
+    &NOT_FORWARDED_EITHER,
+    &CLIENT_ONLY_HEADERS,
+];
+
+/// The lists of a backend's response header names that never reach the client, besides
+/// the hop-by-hop ones and those a `Connection` header lists: what [`not_returned`],
+/// [`RESPONSE_FILTER`] and [`RELAY_RULES`] are made from.
+const NOT_RETURNED: [&[&str]; 2] = [&BACKEND_ONLY_HEADERS, &GATEWAY_HEADERS];
+
 /// The names of the client's headers that never go upstream (besides those a
 /// `Connection` header lists): see [`forward_headers`].
 fn not_forwarded(n: &str) -> bool {
-    CLIENT_CREDENTIAL_HEADERS.contains(&n)
-        || NOT_FORWARDED_EITHER.contains(&n)
-        || CLIENT_ONLY_HEADERS.contains(&n)
-        || n.starts_with(FORWARDING_PREFIX)
+    NOT_FORWARDED.iter().any(|list| list.contains(&n)) || n.starts_with(FORWARDING_PREFIX)
 }
 
 /// The names of a backend's response headers that never reach the client (besides the
 /// hop-by-hop ones and those a `Connection` header lists): see [`response_headers`].
 fn not_returned(n: &str) -> bool {
-    BACKEND_ONLY_HEADERS.contains(&n) || GATEWAY_HEADERS.contains(&n)
+    NOT_RETURNED.iter().any(|list| list.contains(&n))
 }
 
 /// Request headers that go to no backend: a backend has its own answer to `Expect`,
@@ -176,20 +196,10 @@ const NOT_FORWARDED_EITHER: [&str; 2] = ["expect", "cookie"];
 const FORWARDING_PREFIX: &str = "x-forwarded-";
 
 /// [`not_forwarded`]'s and the hop-by-hop names, for [`unwanted_names`].
-const FORWARD_FILTER: NameFilter = NameFilter::of(
-    &[
-        &HOP_BY_HOP,
-        &CLIENT_CREDENTIAL_HEADERS,
-        &NOT_FORWARDED_EITHER,
-        &CLIENT_ONLY_HEADERS,
-    ],
-    FORWARDING_PREFIX,
-);
+const FORWARD_FILTER: NameFilter = NameFilter::of(&HOP_BY_HOP, &NOT_FORWARDED, FORWARDING_PREFIX);
 
-/// The hop-by-hop, backend-only and the gateway's own names, for [`unwanted_names`] on
-/// a response.
-const RESPONSE_FILTER: NameFilter =
-    NameFilter::of(&[&HOP_BY_HOP, &BACKEND_ONLY_HEADERS, &GATEWAY_HEADERS], "");
+/// [`not_returned`]'s and the hop-by-hop names, for [`unwanted_names`] on a response.
+const RESPONSE_FILTER: NameFilter = NameFilter::of(&HOP_BY_HOP, &NOT_RETURNED, "");
 
 /// Makes the client's headers the ones that go upstream, in place, once per request:
 /// without hop-by-hop headers, the client's credentials and cookies, and with the
@@ -272,21 +282,20 @@ enum Rule {
 /// backend's.
 const RELAY_RULES: [Rule; h1::COMMON_NAME_TEXTS.len()] = {
     let mut rules = [Rule::Keep; h1::COMMON_NAME_TEXTS.len()];
-    let dropped: [&[&str]; 4] = [
-        &HOP_BY_HOP,
-        &BACKEND_ONLY_HEADERS,
-        &GATEWAY_HEADERS,
-        &["content-length"],
-    ];
-    let mut list = 0;
-    while list < dropped.len() {
+    /// `names`' rules set to `Drop`. A name missing from the common names is an index
+    /// past the end: refused at compile time.
+    const fn drop_all(rules: &mut [Rule; h1::COMMON_NAME_TEXTS.len()], names: &[&str]) {
         let mut k = 0;
-        while k < dropped[list].len() {
-            // A name missing from the common names is an index past the end: refused at
-            // compile time.
-            rules[h1::common_at(dropped[list][k])] = Rule::Drop;
+        while k < names.len() {
+            rules[h1::common_at(names[k])] = Rule::Drop;
             k += 1;
         }
+    }
+    drop_all(&mut rules, &HOP_BY_HOP);
+    drop_all(&mut rules, &["content-length"]);
+    let mut list = 0;
+    while list < NOT_RETURNED.len() {
+        drop_all(&mut rules, NOT_RETURNED[list]);
         list += 1;
     }
     rules[h1::common_at("x-request-id")] = Rule::Rename;
@@ -2723,11 +2732,8 @@ mod tests {
     fn the_name_filters_let_every_listed_name_through_and_stop_the_usual_ones() {
         let mut names: Vec<String> = [
             &HOP_BY_HOP[..],
-            &CLIENT_CREDENTIAL_HEADERS,
-            &NOT_FORWARDED_EITHER,
-            &CLIENT_ONLY_HEADERS,
-            &BACKEND_ONLY_HEADERS,
-            &GATEWAY_HEADERS,
+            NOT_FORWARDED.concat().as_slice(),
+            NOT_RETURNED.concat().as_slice(),
             &h1::COMMON_NAME_TEXTS,
             &[
                 "x-forwarded-",
