@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use http::HeaderMap;
+use crate::h1::Values;
 use sha2::{Digest, Sha256};
 use spillgate_core::config::ClientKey;
 use subtle::ConstantTimeEq;
@@ -74,8 +74,10 @@ impl Client {
 pub const CLIENT_CREDENTIAL_HEADERS: [&str; 3] =
     ["authorization", "api-key", "ocp-apim-subscription-key"];
 
-const HEADER_API_KEY: http::HeaderName = http::HeaderName::from_static("api-key");
-const HEADER_APIM_KEY: http::HeaderName =
+// Statics, not constants: the values found borrow the name they were found by.
+static HEADER_API_KEY: http::HeaderName = http::HeaderName::from_static("api-key");
+static HEADER_AUTHORIZATION: http::HeaderName = http::header::AUTHORIZATION;
+static HEADER_APIM_KEY: http::HeaderName =
     http::HeaderName::from_static("ocp-apim-subscription-key");
 
 impl ClientKeys {
@@ -94,20 +96,18 @@ impl ClientKeys {
     }
 
     /// The client that sent these headers, or `None` when no configured key matches.
-    pub fn authenticate(&self, headers: &HeaderMap) -> Option<Client> {
+    pub fn authenticate(&self, headers: &impl Values) -> Option<Client> {
         let Some(keys) = &self.keys else {
             return Some(Client::Anonymous);
         };
-        let presented = headers
-            .get(HEADER_API_KEY)
-            .map(|v| v.as_bytes())
+        let first = |name| headers.values(name).next();
+        let presented = first(&HEADER_API_KEY)
             .or_else(|| {
-                headers.get(http::header::AUTHORIZATION).and_then(|v| {
-                    let v = v.as_bytes();
+                first(&HEADER_AUTHORIZATION).and_then(|v| {
                     (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| &v[7..])
                 })
             })
-            .or_else(|| headers.get(HEADER_APIM_KEY).map(|v| v.as_bytes()))?;
+            .or_else(|| first(&HEADER_APIM_KEY))?;
         let presented = digest(presented.trim_ascii());
         let mut found = None;
         // Check every key, without an early exit, so timing does not tell which matched.
@@ -123,6 +123,7 @@ impl ClientKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
     use spillgate_core::config::Secret;
 
     fn keys() -> ClientKeys {

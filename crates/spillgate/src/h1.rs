@@ -381,14 +381,7 @@ fn encode_head(
     if let Some(host) = host {
         header_line(out, &header::HOST, host);
     }
-    for (name, value) in req.headers() {
-        let own = name == header::CONTENT_LENGTH
-            || name == header::TRANSFER_ENCODING
-            || name == header::HOST;
-        if !own {
-            header_line(out, name, value);
-        }
-    }
+    req.each_header(|name, value| raw_line(out, name, value));
     if body_len > 0 || !matches!(*req.method(), Method::GET | Method::HEAD) {
         length_line(out, body_len as u64);
     }
@@ -533,20 +526,6 @@ impl HeadSpans {
         }
     }
 
-    /// Takes the head, its first `len` bytes, off `buf`: its bytes, its headers as a map
-    /// with room for `extra` more (the values sharing the head's bytes, no copy), and
-    /// which framing headers it has. The error says what was wrong, naming no value.
-    pub(crate) fn take(
-        &self,
-        buf: &mut BytesMut,
-        len: usize,
-        extra: usize,
-    ) -> Result<(Bytes, HeaderMap, Seen), String> {
-        let head = buf.split_to(len).freeze();
-        let (headers, seen) = header_map(&head, self.spans(), extra)?;
-        Ok((head, headers, seen))
-    }
-
     /// Takes the head, its first `len` bytes, off `buf`, its headers as they came. Their
     /// names and values are the ones httparse accepted, the same bytes `HeaderName` and
     /// `HeaderValue` accept (a token; visible ASCII, spaces, tabs and obs-text), and the
@@ -584,11 +563,12 @@ struct Field {
     common: u8,
 }
 
-/// A backend's response headers as they came: the head's bytes and where each header
-/// lies in them, each name looked up once in [`COMMON_NAMES`]. The proxy relays them to
-/// the client line by line (`proxy::Relay`): built into a `HeaderMap`, filtered in it,
+/// A head's headers as they came: the head's bytes and where each header lies in them,
+/// each name looked up once in [`COMMON_NAMES`]. The proxy relays a backend's to the
+/// client line by line (`proxy::Relay`): built into a `HeaderMap`, filtered in it,
 /// written out of it and dropped, they cost about 4,000 instructions a JSON response
-/// (callgrind), for headers nearly all of which pass through as they are.
+/// (callgrind), for headers nearly all of which pass through as they are. A client's
+/// go upstream the same way (`upstream::Forwarded`).
 pub struct RawHeaders {
     head: Bytes,
     fields: Vec<Field>,
@@ -611,6 +591,11 @@ impl RawHeaders {
         })
     }
 
+    /// The head's bytes, its start line included when it was read with one.
+    pub(crate) fn head(&self) -> &[u8] {
+        &self.head
+    }
+
     /// Which framing headers there are.
     pub(crate) fn seen(&self) -> Seen {
         self.seen
@@ -621,6 +606,33 @@ impl RawHeaders {
         self.values(name).next()
     }
 
+    /// The first value of the header named `name`, whatever its case, as a
+    /// `HeaderValue` that shares the head's bytes.
+    pub fn value(&self, name: &HeaderName) -> Option<HeaderValue> {
+        self.share(self.get(name)?).ok()
+    }
+
+    /// `value`, one of its values, as a `HeaderValue` that shares the head's bytes (a
+    /// copy of them, were it not one of its values).
+    pub(crate) fn share(
+        &self,
+        value: &[u8],
+    ) -> Result<HeaderValue, http::header::InvalidHeaderValue> {
+        let start = (value.as_ptr() as usize).wrapping_sub(self.head.as_ptr() as usize);
+        if start <= self.head.len() && value.len() <= self.head.len() - start {
+            HeaderValue::from_maybe_shared(self.head.slice(start..start + value.len()))
+        } else {
+            HeaderValue::from_bytes(value)
+        }
+    }
+
+    /// Marks its `Content-Length` as not the body's (it stands beside a
+    /// `Transfer-Encoding`): left out of [`RawHeaders::to_map`] and
+    /// [`RawHeaders::declared_length`].
+    pub(crate) fn set_stray_length(&mut self) {
+        self.stray_length = self.seen.content_length;
+    }
+
     /// The body length its `Content-Length` gives (to a HEAD request, the length a GET
     /// would get): none when it is not the body's ([`framing`]), nor when it is
     /// malformed or conflicting.
@@ -629,6 +641,39 @@ impl RawHeaders {
             return None;
         }
         self.seen.content_length(self).ok().flatten()
+    }
+
+    /// `map`'s headers, as a head that held them would give them (for requests made
+    /// as an `http::Request`: tests, and callers other than the listener). A header
+    /// such a head could not hold is left out, which none of a map is: a map's names
+    /// and values are the bytes a head's may be.
+    pub fn from_map(map: &HeaderMap) -> RawHeaders {
+        let mut lines = Vec::new();
+        for (name, value) in map {
+            header_line(&mut lines, name, value);
+        }
+        lines.extend_from_slice(b"\r\n");
+        let mut parsed = vec![httparse::EMPTY_HEADER; map.len()];
+        let mut spans = HeadSpans::new();
+        let len = match httparse::parse_headers(&lines, &mut parsed) {
+            Ok(httparse::Status::Complete((len, parsed))) => {
+                spans.record(&lines, parsed);
+                len
+            }
+            _ => 0,
+        };
+        let mut buf = BytesMut::from(&lines[..]);
+        spans.take_raw(&mut buf, len)
+    }
+
+    /// The number of headers.
+    pub fn len(&self) -> usize {
+        self.fields.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
     }
 
     /// The headers as a map, their values sharing the head's bytes; a `Content-Length`
@@ -667,24 +712,43 @@ impl Drop for RawHeaders {
     }
 }
 
+/// Most lists of header places kept for reuse by a thread, and the largest kept (in
+/// headers).
+const SPARE_LISTS: usize = 16;
+const SPARE_CAPACITY: usize = 64;
+
 thread_local! {
-    /// Emptied lists of where a response's headers lay, for the next responses this
-    /// thread reads: each new list cost an allocation and its free. As with the header
-    /// maps ([`SPARE`]), a connection's responses are read and written on its thread.
+    /// Emptied lists of where a head's headers lay, for the next heads this thread
+    /// reads (requests and responses): each new list cost an allocation and its free.
+    /// Connections stay on their thread, so lists come back where they are taken.
     static SPARE_FIELDS: std::cell::RefCell<Vec<Vec<Field>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// An empty list: a spare one when this thread has one.
 fn spare_fields() -> Vec<Field> {
-    take_spare(&SPARE_FIELDS)
+    // `try_with`: no spare (rather than a panic) while the thread's locals are destroyed.
+    SPARE_FIELDS
+        .try_with(|spare| spare.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default()
 }
 
-/// Empties `fields` and keeps it for this thread's next response head, within the same
-/// bounds as the header maps kept; else drops it.
+/// Empties `fields` and keeps it for this thread's next head, when it is neither
+/// unallocated nor too large and the thread has not enough spares already; else drops
+/// it.
 fn recycle_fields(mut fields: Vec<Field>) {
     let capacity = fields.capacity();
+    if capacity == 0 || capacity > SPARE_CAPACITY {
+        return;
+    }
     fields.clear();
-    keep_spare(&SPARE_FIELDS, fields, capacity);
+    let _ = SPARE_FIELDS.try_with(|spare| {
+        let mut spare = spare.borrow_mut();
+        if spare.len() < SPARE_LISTS {
+            spare.push(fields);
+        }
+    });
 }
 
 /// Where the headers of `lines` (a head without its start line) lie, and the head's
@@ -711,7 +775,7 @@ pub(crate) fn raw_headers(lines: &[u8]) -> RawHeaders {
 }
 
 /// Header values by name: a map's, or a head's as it came.
-pub(crate) trait Values {
+pub trait Values {
     /// The values of the headers named `name`, in order.
     fn values<'a>(&'a self, name: &'a HeaderName) -> impl DoubleEndedIterator<Item = &'a [u8]>;
 }
@@ -723,12 +787,23 @@ impl Values for HeaderMap {
 }
 
 impl Values for RawHeaders {
+    /// A common name is found by its place in [`COMMON_NAMES`], noted for each header
+    /// when the head was read; any other by its bytes, among the headers of no common
+    /// name.
     fn values<'a>(&'a self, name: &'a HeaderName) -> impl DoubleEndedIterator<Item = &'a [u8]> {
         let lower = name.as_str().as_bytes();
+        let common = common_index(lower).map_or(NO_NAME, |i| i as u8);
         self.fields.iter().filter_map(move |f| {
-            let n = self.head.get(f.span.name.range()).unwrap_or_default();
-            same_ignoring_case(n, lower)
-                .then(|| self.head.get(f.span.value.range()).unwrap_or_default())
+            let found = if common == NO_NAME {
+                f.common == NO_NAME
+                    && same_ignoring_case(
+                        self.head.get(f.span.name.range()).unwrap_or_default(),
+                        lower,
+                    )
+            } else {
+                f.common == common
+            };
+            found.then(|| self.head.get(f.span.value.range()).unwrap_or_default())
         })
     }
 }
@@ -817,85 +892,6 @@ impl Seen {
                 .next_back()
                 .is_some_and(|v| last_token_is(v, "chunked"))
     }
-}
-
-/// The headers at `spans` of `head`, with room for `extra` more (their values share its
-/// bytes), and which framing headers are among them. The error says what was wrong,
-/// naming no value.
-fn header_map(head: &Bytes, spans: &[Span], extra: usize) -> Result<(HeaderMap, Seen), String> {
-    let mut headers = spare_map();
-    headers.reserve(spans.len() + extra);
-    let mut seen = Seen::default();
-    for span in spans {
-        let bytes = head.get(span.name.range()).unwrap_or_default();
-        let name = match common_index(bytes) {
-            Some(i) => {
-                seen.note(i, head.get(span.value.range()).unwrap_or_default());
-                COMMON_NAMES[i].clone()
-            }
-            // Not one of the framing headers, which are all common names (matched
-            // whatever their case).
-            None => HeaderName::from_bytes(bytes).map_err(|_| "invalid header name".to_string())?,
-        };
-        let value = HeaderValue::from_maybe_shared(head.slice(span.value.range()))
-            .map_err(|_| format!("invalid value of header {name}"))?;
-        headers.append(name, value);
-    }
-    Ok((headers, seen))
-}
-
-/// Most header maps kept for reuse by a thread, and the largest kept (in headers).
-const SPARE_MAPS: usize = 16;
-const SPARE_CAPACITY: usize = 64;
-
-thread_local! {
-    /// Emptied header maps of heads this thread was done with, for the next heads it
-    /// reads: each new map cost two allocations and their frees. Connections stay on
-    /// their thread, so maps come back where they are taken.
-    static SPARE: std::cell::RefCell<Vec<HeaderMap>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// An empty map: a spare one when this thread has one.
-fn spare_map() -> HeaderMap {
-    take_spare(&SPARE)
-}
-
-/// Empties `map` and keeps it for this thread's next head, when it is not too large and
-/// the thread has not enough spares already; else drops it.
-pub(crate) fn recycle(mut map: HeaderMap) {
-    let capacity = map.capacity();
-    map.clear();
-    keep_spare(&SPARE, map, capacity);
-}
-
-/// A thread's spare of `spares` (emptied when kept), or a new one.
-fn take_spare<T: Default + 'static>(
-    spares: &'static std::thread::LocalKey<std::cell::RefCell<Vec<T>>>,
-) -> T {
-    // `try_with`: no spare (rather than a panic) while the thread's locals are destroyed.
-    spares
-        .try_with(|spare| spare.borrow_mut().pop())
-        .ok()
-        .flatten()
-        .unwrap_or_default()
-}
-
-/// Keeps `empty` (of `capacity` headers) in this thread's `spares`, when it is neither
-/// unallocated nor too large and the thread has not enough spares already; else drops it.
-fn keep_spare<T: 'static>(
-    spares: &'static std::thread::LocalKey<std::cell::RefCell<Vec<T>>>,
-    empty: T,
-    capacity: usize,
-) {
-    if capacity == 0 || capacity > SPARE_CAPACITY {
-        return;
-    }
-    let _ = spares.try_with(|spare| {
-        let mut spare = spare.borrow_mut();
-        if spare.len() < SPARE_MAPS {
-            spare.push(empty);
-        }
-    });
 }
 
 /// Declares [`COMMON_NAMES`] and [`COMMON_NAME_TEXTS`] from one list, in the same order.
@@ -1005,6 +1001,11 @@ const _: () = assert!(
         && CONTENT_LENGTH < COMMON_NAME_TEXTS.len()
         && EXPECT < COMMON_NAME_TEXTS.len()
 );
+
+/// The name at `i` of [`COMMON_NAMES`].
+pub(crate) fn common_header_name(i: usize) -> Option<HeaderName> {
+    COMMON_NAMES.get(i).cloned()
+}
 
 /// `name` as one of [`COMMON_NAMES`], whatever its case.
 #[cfg(test)]
@@ -1135,7 +1136,7 @@ fn framing(
         let chunked = seen.chunked(headers);
         // With a Content-Length too, the message is suspect: not reused.
         keep_alive &= !seen.content_length;
-        headers.stray_length = seen.content_length;
+        headers.set_stray_length();
         return Ok(if chunked {
             (Framing::Chunked(Chunk::Size), keep_alive)
         } else {
@@ -1587,54 +1588,40 @@ mod tests {
         assert_eq!(map["x-ratelimit-remaining-tokens"], "10");
         assert_eq!(map["x-custom-thing"], "a");
         assert_eq!(map[header::CONTENT_TYPE], "b");
-        let bad = [Span {
-            name: Part::of(&head, &head[..0]),
-            value: Part::of(&head, &head[..0]),
-        }];
-        assert_eq!(
-            header_map(&head, &bad, 0).unwrap_err(),
-            "invalid header name"
-        );
+        assert_eq!(head.len(), raw.len());
     }
 
-    /// The headers of `raw` (a head without its status line) as [`header_map`] makes them.
+    /// The headers of `raw` (a head without its status line) as a map.
     fn map_of(raw: &[u8]) -> HeaderMap {
-        let (spans, len) = spans_of(raw);
-        spans.take(&mut BytesMut::from(raw), len, 0).unwrap().1
+        raw_headers(raw).to_map()
     }
 
-    /// A map given back is reused by the thread's next head empty: no header of one
-    /// message shows in another's. Maps too large for a head or past the thread's
-    /// spares are dropped.
+    /// A map's headers made lines are the map's again: names, values, order and
+    /// repeats; and found by name, common or not, in any case.
     #[test]
-    fn reused_header_maps_carry_nothing_over() {
-        SPARE.with_borrow_mut(Vec::clear);
-        let first = map_of(b"Authorization: Bearer secret\r\nX-One: 1\r\n\r\n");
-        let capacity = first.capacity();
-        recycle(first);
-        assert_eq!(SPARE.with_borrow(Vec::len), 1);
-        let second = map_of(b"X-Two: 2\r\n\r\n");
-        assert_eq!(SPARE.with_borrow(Vec::len), 0, "the spare was taken");
-        assert_eq!(second.capacity(), capacity, "the same map");
-        assert_eq!(second.len(), 1);
-        assert_eq!(second["x-two"], "2");
-        assert!(second.get(header::AUTHORIZATION).is_none());
-        assert!(second.get("x-one").is_none());
-
-        recycle(HeaderMap::with_capacity(SPARE_CAPACITY * 2));
-        recycle(HeaderMap::new());
-        assert_eq!(
-            SPARE.with_borrow(Vec::len),
-            0,
-            "too large, or nothing to keep"
+    fn a_map_made_lines_keeps_every_header() {
+        let mut map = HeaderMap::new();
+        map.append("x-custom", HeaderValue::from_static("1"));
+        map.append(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        map.append("x-custom", HeaderValue::from_static("2"));
+        map.append(
+            "api-key",
+            HeaderValue::from_bytes(b"caf\xc3\xa9\t!").unwrap(),
         );
-        for _ in 0..SPARE_MAPS + 3 {
-            let mut map = HeaderMap::with_capacity(4);
-            map.insert("x-many", HeaderValue::from_static("1"));
-            recycle(map);
-        }
-        assert_eq!(SPARE.with_borrow(Vec::len), SPARE_MAPS);
-        assert!(SPARE.with_borrow(|s| s.iter().all(HeaderMap::is_empty)));
+        let lines = RawHeaders::from_map(&map);
+        assert_eq!(lines.len(), 4);
+        assert_eq!(lines.to_map(), map);
+        let custom = HeaderName::from_static("x-custom");
+        assert_eq!(lines.values(&custom).collect::<Vec<_>>(), [b"1", b"2"]);
+        assert_eq!(lines.get(&header::AUTHORIZATION), Some(&b"Bearer k"[..]));
+        assert!(RawHeaders::from_map(&HeaderMap::new()).is_empty());
+        let mixed = raw_headers(b"X-CUSTOM: a\r\nAPI-Key: b\r\nx-custom: c\r\n\r\n");
+        assert_eq!(mixed.values(&custom).collect::<Vec<_>>(), [b"a", b"c"]);
+        assert_eq!(
+            mixed.get(&HeaderName::from_static("api-key")),
+            Some(&b"b"[..])
+        );
+        assert_eq!(mixed.get(&header::AUTHORIZATION), None);
     }
 
     /// A list of where a response's headers lay, given back when the response is done,
@@ -1680,8 +1667,8 @@ mod tests {
                 }
             }
             raw.extend_from_slice(b"\r\n");
-            let (spans, len) = spans_of(&raw);
-            let (_, map, seen) = spans.take(&mut BytesMut::from(&raw[..]), len, 0).unwrap();
+            let lines = raw_headers(&raw);
+            let (map, seen) = (lines.to_map(), lines.seen());
             let has = |name| map.contains_key(name);
             assert_eq!(
                 seen,
@@ -1896,7 +1883,7 @@ mod tests {
             &Method::POST,
             (&scheme, &authority),
             "/v1/embeddings?x=1",
-            &headers,
+            crate::upstream::SharedHeaders::Map(&headers),
             Some((&name, &key)),
             Bytes::from_static(b"{}"),
         )
@@ -2210,8 +2197,8 @@ mod tests {
                 raw.extend_from_slice(format!("Content-Length: {v}\r\n").as_bytes());
             }
             raw.extend_from_slice(b"\r\n");
-            let (spans, len) = spans_of(&raw);
-            let (_, map, seen) = spans.take(&mut BytesMut::from(&raw[..]), len, 0).unwrap();
+            let lines = raw_headers(&raw);
+            let (map, seen) = (lines.to_map(), lines.seen());
             assert_eq!(
                 seen.content_length(&map),
                 content_length(&map),

@@ -18,7 +18,7 @@ use std::task::{Context, Poll};
 use bytes::{Bytes, BytesMut};
 
 use crate::coalesce::Joined;
-use http::HeaderMap;
+use crate::h1::Values;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use serde::Deserialize;
 use spillgate_core::request::{is_json_space, Limits, LIMIT_NAMES};
@@ -28,7 +28,7 @@ use tiktoken_rs::CoreBPE;
 /// and the request asks for it. The one rule for routing and for the metrics.
 pub fn treated_as_low(
     config: &spillgate_core::config::Config,
-    headers: &HeaderMap,
+    headers: &impl Values,
     query: Option<&str>,
 ) -> bool {
     config.priority.is_some() && is_low(headers, query)
@@ -37,11 +37,11 @@ pub fn treated_as_low(
 const HEADER_PRIORITY: http::HeaderName = http::HeaderName::from_static("x-priority");
 
 /// Whether a request asks to be low priority: `x-priority: low` or `priority=low`.
-pub fn is_low(headers: &HeaderMap, query: Option<&str>) -> bool {
+pub fn is_low(headers: &impl Values, query: Option<&str>) -> bool {
     let header = headers
-        .get(HEADER_PRIORITY)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("low"));
+        .values(&HEADER_PRIORITY)
+        .next()
+        .is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"low"));
     let param = query.is_some_and(|q| {
         q.split('&').any(|kv| {
             kv.split_once('=')
@@ -928,6 +928,7 @@ impl<B, F: FnOnce(Option<u64>)> Drop for UsageTap<B, F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
     use http_body_util::{BodyExt, StreamBody};
     use proptest::strategy::Strategy;
     use std::sync::{Arc, Mutex};

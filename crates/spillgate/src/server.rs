@@ -23,7 +23,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use crate::app::App;
-use crate::front::Reply;
+use crate::front::{Reply, Request};
 
 /// The public listener's service: `/healthz` and `/readyz` through a small axum router,
 /// every other path straight to the proxy (a router, a middleware and an extractor per
@@ -44,6 +44,28 @@ pub fn router(app: Arc<App>) -> Gateway {
     Gateway { app, probes }
 }
 
+impl<B> tower::Service<Request<B>> for Gateway
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    type Response = Reply<axum::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let req = req.map(axum::body::Body::new);
+        let probes = matches!(req.uri.path(), "/healthz" | "/readyz").then(|| self.probes.clone());
+        Box::pin(serve(Arc::clone(&self.app), probes, req).map(Ok))
+    }
+}
+
+/// A request made as an `http::Request` (the tests', a simulation's), its headers made
+/// the lines a client's would be.
 impl<B> tower::Service<http::Request<B>> for Gateway
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
@@ -58,16 +80,12 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let req = req.map(axum::body::Body::new);
-        let probes =
-            matches!(req.uri().path(), "/healthz" | "/readyz").then(|| self.probes.clone());
-        Box::pin(serve(Arc::clone(&self.app), probes, req).map(Ok))
+        tower::Service::<Request<B>>::call(self, Request::from_http(req))
     }
 }
 
 /// Whether a request id the client sent is safe to echo and log.
-fn sane_request_id(v: &http::HeaderValue) -> bool {
-    let b = v.as_bytes();
+fn sane_request_id(b: &[u8]) -> bool {
     !b.is_empty()
         && b.len() <= 128
         && b.iter()
@@ -100,16 +118,16 @@ fn new_request_id() -> http::HeaderValue {
 async fn serve(
     app: Arc<App>,
     probes: Option<Router>,
-    req: axum::extract::Request,
+    req: Request<axum::body::Body>,
 ) -> Reply<axum::body::Body> {
     use tower::ServiceExt;
     use tracing::Instrument;
     let header = match req
-        .headers()
-        .get(crate::proxy::HEADER_REQUEST_ID)
-        .filter(|v| sane_request_id(v))
+        .headers
+        .value(&crate::proxy::HEADER_REQUEST_ID)
+        .filter(|v| sane_request_id(v.as_bytes()))
     {
-        Some(v) => v.clone(),
+        Some(v) => v,
         None => new_request_id(),
     };
     // A sane id is ASCII: the fallback is never taken.
@@ -128,7 +146,7 @@ async fn serve(
         }
         return reply;
     };
-    let Ok(mut resp) = probes.oneshot(req).instrument(span).await;
+    let Ok(mut resp) = probes.oneshot(req.into_http()).instrument(span).await;
     resp.headers_mut()
         .insert(crate::proxy::HEADER_REQUEST_ID, header);
     Reply::Response(resp)

@@ -28,6 +28,7 @@ use spillgate_core::config::Timeouts;
 
 use crate::h1;
 use crate::lock;
+pub use crate::proxy::Forwarded;
 use tokio::time::Instant;
 
 /// Why an attempt got no response.
@@ -137,9 +138,18 @@ pub struct UpstreamRequest<'a> {
     scheme: &'a Scheme,
     authority: &'a Authority,
     path_and_query: &'a str,
-    headers: &'a HeaderMap,
+    headers: SharedHeaders<'a>,
     credential: Option<(&'a HeaderName, &'a HeaderValue)>,
     body: Bytes,
+}
+
+/// The headers the attempts of a request share.
+#[derive(Clone, Copy)]
+pub enum SharedHeaders<'a> {
+    /// A map: the gateway's own requests, and tests.
+    Map(&'a HeaderMap),
+    /// A client's header lines as they go upstream.
+    Forwarded(&'a Forwarded),
 }
 
 impl<'a> UpstreamRequest<'a> {
@@ -151,7 +161,7 @@ impl<'a> UpstreamRequest<'a> {
         method: &'a Method,
         (scheme, authority): (&'a Scheme, &'a Authority),
         path_and_query: &'a str,
-        headers: &'a HeaderMap,
+        headers: SharedHeaders<'a>,
         credential: Option<(&'a HeaderName, &'a HeaderValue)>,
         body: Bytes,
     ) -> Result<UpstreamRequest<'a>, AttemptError> {
@@ -187,7 +197,7 @@ impl<'a> UpstreamRequest<'a> {
             req.method(),
             (scheme, authority),
             target,
-            req.headers(),
+            SharedHeaders::Map(req.headers()),
             None,
             req.body().clone(),
         )
@@ -211,19 +221,37 @@ impl<'a> UpstreamRequest<'a> {
         &self.body
     }
 
-    /// The headers to send: the shared ones (where a `Host` or a framing header is the
-    /// client's, which the sender leaves out; see [`Upstream::send`]), then the
-    /// credential in place of any header of its name.
-    pub fn headers(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
-        let credential = self.credential.map(|(name, _)| name);
-        self.headers
-            .iter()
-            .filter(move |(name, _)| Some(*name) != credential)
-            .chain(self.credential)
+    /// Gives each header to send, in order, to `f`: the shared ones, less any `Host` or
+    /// framing header (the sender writes its own) and any of the credential's name, then
+    /// the credential.
+    pub fn each_header(&self, mut f: impl FnMut(&[u8], &[u8])) {
+        self.each_shared(&mut f);
+        if let Some((name, value)) = self.credential {
+            f(name.as_str().as_bytes(), value.as_bytes());
+        }
     }
 
-    /// As an `http::Request` with an absolute URI, the headers copied: for an HTTP/2
-    /// connection, and for backends simulated in memory.
+    /// [`UpstreamRequest::each_header`] without the credential.
+    fn each_shared(&self, f: &mut impl FnMut(&[u8], &[u8])) {
+        let credential = self.credential.map(|(name, _)| name);
+        match self.headers {
+            SharedHeaders::Map(map) => {
+                for (name, value) in map {
+                    let own = name == header::CONTENT_LENGTH
+                        || name == header::TRANSFER_ENCODING
+                        || name == header::HOST;
+                    if !own && Some(name) != credential {
+                        f(name.as_str().as_bytes(), value.as_bytes());
+                    }
+                }
+            }
+            SharedHeaders::Forwarded(forwarded) => forwarded.each_header(credential, f),
+        }
+    }
+
+    /// As an `http::Request` with an absolute URI, the headers in a map of their own
+    /// (a client's forwarded ones without `Host` or framing headers; a map's as they
+    /// are): for an HTTP/2 connection, and for backends simulated in memory.
     pub fn to_http(&self) -> Result<http::Request<Full<Bytes>>, AttemptError> {
         let uri = http::Uri::builder()
             .scheme(self.scheme.clone())
@@ -231,7 +259,11 @@ impl<'a> UpstreamRequest<'a> {
             .path_and_query(self.path_and_query)
             .build()
             .map_err(|e| AttemptError::Request(e.to_string()))?;
-        let mut headers = self.headers.clone();
+        let credential = self.credential.map(|(name, _)| name);
+        let mut headers = match self.headers {
+            SharedHeaders::Map(map) => map.clone(),
+            SharedHeaders::Forwarded(forwarded) => forwarded.to_map(credential),
+        };
         if let Some((name, value)) = self.credential {
             headers.insert(name.clone(), value.clone());
         }
@@ -1107,7 +1139,7 @@ mod tests {
                 &method,
                 (&scheme, &authority),
                 target,
-                &headers,
+                SharedHeaders::Map(&headers),
                 None,
                 Bytes::new(),
             )
@@ -1153,16 +1185,15 @@ mod tests {
             &method,
             (&scheme, &authority),
             "/v1/x?y=1",
-            &headers,
+            SharedHeaders::Map(&headers),
             Some((&name, &key)),
             Bytes::from_static(b"{}"),
         )
         .unwrap();
-        let sent: Vec<_> = req
-            .headers()
-            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
-            .collect();
-        assert_eq!(sent, [("x-request-id", "r1"), ("api-key", "backend")]);
+        assert_eq!(
+            sent(&req),
+            [("x-request-id", "r1"), ("api-key", "backend")].map(owned)
+        );
         let http = req.to_http().unwrap();
         assert_eq!(http.method(), Method::POST);
         assert_eq!(http.uri(), "https://b.test/v1/x?y=1");
@@ -1178,13 +1209,78 @@ mod tests {
                 .body(Bytes::new())
                 .unwrap(),
         )
-        .map(|r| {
-            let headers: Vec<_> = r.headers().map(|(n, v)| (n.clone(), v.clone())).collect();
-            (r.path_and_query().to_string(), headers)
-        })
+        .map(|r| (r.path_and_query().to_string(), sent(&r)))
         .unwrap();
         assert_eq!(plain.0, "/");
-        assert_eq!(plain.1.len(), 1);
+        assert_eq!(plain.1, [("api-key", "k")].map(owned));
+    }
+
+    /// The headers `req` sends, in order.
+    fn sent(req: &UpstreamRequest<'_>) -> Vec<(String, String)> {
+        let mut sent = Vec::new();
+        req.each_header(|n, v| sent.push(owned((n, v))));
+        sent
+    }
+
+    fn owned((n, v): (impl AsRef<[u8]>, impl AsRef<[u8]>)) -> (String, String) {
+        let text = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap();
+        (text(n.as_ref()), text(v.as_ref()))
+    }
+
+    /// A client's lines go as they came, less the credential's name in any case, be it
+    /// a common name or not; the request id and the credential follow. Over HTTP/2 (or
+    /// to a simulated backend) they are the same headers, in a map.
+    #[test]
+    fn forwarded_lines_leave_the_credentials_name_to_the_credential() {
+        let (method, scheme) = (Method::POST, Scheme::HTTPS);
+        let authority = Authority::from_static("b.test");
+        let lines = h1::raw_headers(
+            b"X-Backend-Key: client\r\nAccept: a\r\nUser-Agent: u\r\nx-backend-key: c2\r\n\r\n",
+        );
+        let forwarded = Forwarded::new(lines, HeaderValue::from_static("r1"));
+        let mut key = HeaderValue::from_static("backend");
+        key.set_sensitive(true);
+        for (name, left) in [
+            (
+                "x-backend-key",
+                [("Accept", "a"), ("User-Agent", "u")].map(owned).to_vec(),
+            ),
+            (
+                "user-agent",
+                [
+                    ("X-Backend-Key", "client"),
+                    ("Accept", "a"),
+                    ("x-backend-key", "c2"),
+                ]
+                .map(owned)
+                .to_vec(),
+            ),
+        ] {
+            let name = HeaderName::from_static(name);
+            let req = UpstreamRequest::new(
+                &method,
+                (&scheme, &authority),
+                "/v1/x",
+                SharedHeaders::Forwarded(&forwarded),
+                Some((&name, &key)),
+                Bytes::new(),
+            )
+            .unwrap();
+            let mut want = left;
+            want.push(owned(("x-request-id", "r1")));
+            want.push(owned((name.as_str(), "backend")));
+            assert_eq!(sent(&req), want, "{name}");
+            let http = req.to_http().unwrap();
+            let mut map = HeaderMap::new();
+            for (n, v) in &want {
+                map.append(
+                    HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                    HeaderValue::from_str(v).unwrap(),
+                );
+            }
+            assert_eq!(*http.headers(), map, "{name}");
+            assert!(http.headers()[&name].is_sensitive());
+        }
     }
 
     #[tokio::test]
@@ -1364,7 +1460,7 @@ mod tests {
             &method,
             (&scheme, &authority),
             "/v1/chat/completions",
-            &headers,
+            SharedHeaders::Map(&headers),
             None,
             Bytes::new(),
         )
