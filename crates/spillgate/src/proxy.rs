@@ -262,6 +262,11 @@ impl Forwarded {
         Forwarded { lines, request_id }
     }
 
+    /// The client's headers, all of them, as they came.
+    pub fn lines(&self) -> &h1::RawHeaders {
+        &self.lines
+    }
+
     /// Gives each header that goes upstream, in order, to `f`, less any of the name of
     /// `credential` (written after them, in their place).
     pub fn each_header(&self, credential: Option<&HeaderName>, f: &mut impl FnMut(&[u8], &[u8])) {
@@ -668,13 +673,15 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
 /// Serves one API request; `request_id` goes upstream in `x-request-id`. Every request
 /// is counted in `spillgate_requests_total` once: by the attempt loop's end when it ran,
 /// else here, as the gateway's own answer (backend and model `-`).
-pub async fn handle(
+///
+/// Not an `async fn`: one would hold the request twice (its argument, and the copy its
+/// body moves it into) besides its parts, and each byte of the future is copied as it
+/// is boxed; the `async` block holds the parts only.
+pub fn handle(
     app: Arc<App>,
     req: front::Request<Body>,
     request_id: HeaderValue,
-) -> Reply<Body> {
-    let started = tokio::time::Instant::now();
-    let snap = app.snapshot.load_full();
+) -> impl Future<Output = Reply<Body>> + Send {
     let front::Request {
         method,
         uri,
@@ -682,189 +689,196 @@ pub async fn handle(
         body,
         ..
     } = req;
-    let low = crate::priority::treated_as_low(&snap.config, &headers, uri.query());
-    let local = |response: Response| {
-        record_local(&app, response.status().as_u16(), low);
-        Reply::Response(response)
-    };
-    let path = uri.path();
-    let route = classify_path(method.as_str(), path);
-
-    // Authenticate before reading the body: an unauthenticated client costs no buffering.
-    // An unknown path is answered 404 without a key.
-    let client = match (&route, snap.client_keys.authenticate(&headers)) {
-        (ApiRoute::NotFound, _) => Client::Anonymous,
-        (_, Some(c)) => c,
-        (_, None) => {
-            return local(reject_unread(rejected(GatewayError::unauthorized()), body).await)
-        }
-    };
-    let (shape, deployment, operation) = match route {
-        ApiRoute::NotFound => {
-            let resp = rejected(GatewayError::not_found(format!(
-                "Unknown path `{}`.",
-                truncate(path)
-            )));
-            return local(reject_unread(resp, body).await);
-        }
-        ApiRoute::ListModels => return local(list_models(&snap)),
-        ApiRoute::Invalid(why) => {
-            let resp = rejected(GatewayError::bad_request("invalid_path", why));
-            return local(reject_unread(resp, body).await);
-        }
-        ApiRoute::Operation {
-            shape,
-            deployment,
-            operation,
-        } => (shape, deployment, operation),
-    };
-
-    let body = match read_body(
-        body,
-        snap.config.server.max_body_bytes,
-        snap.config.timeouts.client_body,
-    )
-    .await
-    {
-        Ok(b) => b,
-        Err(e) => {
-            // The rest of the body is not read: the connection cannot be reused.
-            let mut resp = rejected(e);
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            return local(resp);
-        }
-    };
-
-    // With request priority on, streams ask the backend for their usage chunk (removed
-    // again on the way back when the client did not ask for it).
-    let priority = snap.config.priority.as_ref();
-    let api_version = uri
-        .query()
-        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("api-version=")));
-    let usage_ok = crate::priority::stream_usage_supported(operation, api_version);
-    let (body, strip_usage) = match priority
-        .filter(|_| usage_ok)
-        .and_then(|_| crate::priority::request_stream_usage(&body))
-    {
-        Some(b) => (Bytes::from(b), true),
-        None => (body, false),
-    };
-
-    let (model, body_info) = match deployment {
-        Some(d) => (d.to_string(), None),
-        None => match inspect_body(&body) {
-            // The model moves out of the body's description into the request's
-            // `model` (see `Classified::body_info`).
-            Ok(mut info) => match info.model.take() {
-                Some(m) if !is_safe_name(&m) => {
-                    tracing::info!(model = ?truncate(&m), status = 400, code = "invalid_model", "request rejected: invalid model name");
-                    return local(GatewayError::bad_request(
-                        "invalid_model",
-                        "`model` may contain only letters, digits, '-', '_', '.' and ':' (at most 256 characters).",
-                    )
-                    .into_response());
-                }
-                Some(m) => (m, Some(info)),
-                None => return local(rejected(missing_model(&method, path))),
-            },
-            Err(e @ BodyError::InvalidJson(_)) => {
-                return local(rejected(GatewayError::bad_request(
-                    "invalid_json",
-                    e.to_string(),
-                )))
-            }
-            Err(e @ BodyError::ModelNotString) => {
-                return local(rejected(GatewayError::bad_request(
-                    "invalid_model",
-                    e.to_string(),
-                )))
-            }
-        },
-    };
-    let req = Classified {
-        shape,
-        operation,
-        query: uri.query(),
-        model,
-        body_info,
-    };
-
-    let table = &snap.config.table;
-    let Some(route_id) = table.route_for(&req.model, &snap.config.backends) else {
-        tracing::info!(model = %req.model, client = client.name(), status = 404, code = "model_not_found", "no backend serves this model");
-        return local(GatewayError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!(
-                "The model `{}` is not served by this gateway. `GET /v1/models` lists the models it serves.",
-                req.model
-            ),
-        )
-        .into_response());
-    };
-
-    let mut guard = DisconnectGuard {
-        model: &req.model,
-        started,
-        answered: false,
-    };
-    let est_tokens = match priority {
-        Some(p) => crate::priority::estimate_tokens(&body, operation, p.default_max_tokens),
-        // The body-model shapes read the limits with the model; Azure classic paths
-        // scan for them.
-        None => match &req.body_info {
-            Some(info) => crate::priority::cheap_estimate_of(body.len(), operation, info.limits),
-            None => crate::priority::cheap_estimate(&body, operation),
-        },
-    };
+    // Made now, not where the attempts begin: the future then holds the headers once.
     let forwarded = Forwarded::new(headers, request_id);
-    let ctx = Ctx {
-        app: &app,
-        snap: &snap,
-        method: &method,
-        upstream_headers: &forwarded,
-        req: &req,
-        body,
-        route_id,
-        started,
-        low,
-        est_tokens,
-        strip_usage,
-        store_budget: StoreBudget::new(app.store.request_budget()),
-    };
-    let outcome = attempt_loop(&ctx).await;
-    guard.answered = true;
-    if ctx.low {
-        // Per model (the toolkit's per-deployment thresholds); admitted means it reached a
-        // backend.
-        let decision = match &outcome {
-            Ended::PriorityRefused { .. } => Some("refused"),
-            Ended::Served { .. } => Some("admitted"),
-            Ended::Exhausted { attempts, .. }
-            | Ended::BudgetExhausted { attempts, .. }
-            | Ended::DeadlineExceeded { attempts, .. } => (*attempts > 0).then_some("admitted"),
+    async move {
+        let started = tokio::time::Instant::now();
+        let snap = app.snapshot.load_full();
+        let low = crate::priority::treated_as_low(&snap.config, forwarded.lines(), uri.query());
+        let local = |response: Response| {
+            record_local(&app, response.status().as_u16(), low);
+            Reply::Response(response)
         };
-        if let Some(d) = decision {
-            app.metrics
-                .low_priority
-                .get_or_create(&vec![
-                    ("decision", d.into()),
-                    (
-                        "model",
-                        ctx.snap
-                            .config
-                            .table
-                            .model_label(&ctx.req.model)
-                            .to_string()
-                            .into(),
-                    ),
-                ])
-                .inc();
+        let path = uri.path();
+        let route = classify_path(method.as_str(), path);
+
+        // Authenticate before reading the body: an unauthenticated client costs no buffering.
+        // An unknown path is answered 404 without a key.
+        let client = match (&route, snap.client_keys.authenticate(forwarded.lines())) {
+            (ApiRoute::NotFound, _) => Client::Anonymous,
+            (_, Some(c)) => c,
+            (_, None) => {
+                return local(reject_unread(rejected(GatewayError::unauthorized()), body).await)
+            }
+        };
+        let (shape, deployment, operation) = match route {
+            ApiRoute::NotFound => {
+                let resp = rejected(GatewayError::not_found(format!(
+                    "Unknown path `{}`.",
+                    truncate(path)
+                )));
+                return local(reject_unread(resp, body).await);
+            }
+            ApiRoute::ListModels => return local(list_models(&snap)),
+            ApiRoute::Invalid(why) => {
+                let resp = rejected(GatewayError::bad_request("invalid_path", why));
+                return local(reject_unread(resp, body).await);
+            }
+            ApiRoute::Operation {
+                shape,
+                deployment,
+                operation,
+            } => (shape, deployment, operation),
+        };
+
+        let body = match read_body(
+            body,
+            snap.config.server.max_body_bytes,
+            snap.config.timeouts.client_body,
+        )
+        .await
+        {
+            Ok(b) => b,
+            Err(e) => {
+                // The rest of the body is not read: the connection cannot be reused.
+                let mut resp = rejected(e);
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return local(resp);
+            }
+        };
+
+        // With request priority on, streams ask the backend for their usage chunk (removed
+        // again on the way back when the client did not ask for it).
+        let priority = snap.config.priority.as_ref();
+        let api_version = uri
+            .query()
+            .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("api-version=")));
+        let usage_ok = crate::priority::stream_usage_supported(operation, api_version);
+        let (body, strip_usage) = match priority
+            .filter(|_| usage_ok)
+            .and_then(|_| crate::priority::request_stream_usage(&body))
+        {
+            Some(b) => (Bytes::from(b), true),
+            None => (body, false),
+        };
+
+        let (model, body_info) = match deployment {
+            Some(d) => (d.to_string(), None),
+            None => match inspect_body(&body) {
+                // The model moves out of the body's description into the request's
+                // `model` (see `Classified::body_info`).
+                Ok(mut info) => match info.model.take() {
+                    Some(m) if !is_safe_name(&m) => {
+                        tracing::info!(model = ?truncate(&m), status = 400, code = "invalid_model", "request rejected: invalid model name");
+                        return local(GatewayError::bad_request(
+                            "invalid_model",
+                            "`model` may contain only letters, digits, '-', '_', '.' and ':' (at most 256 characters).",
+                        )
+                        .into_response());
+                    }
+                    Some(m) => (m, Some(info)),
+                    None => return local(rejected(missing_model(&method, path))),
+                },
+                Err(e @ BodyError::InvalidJson(_)) => {
+                    return local(rejected(GatewayError::bad_request(
+                        "invalid_json",
+                        e.to_string(),
+                    )))
+                }
+                Err(e @ BodyError::ModelNotString) => {
+                    return local(rejected(GatewayError::bad_request(
+                        "invalid_model",
+                        e.to_string(),
+                    )))
+                }
+            },
+        };
+        let req = Classified {
+            shape,
+            operation,
+            query: uri.query(),
+            model,
+            body_info,
+        };
+
+        let table = &snap.config.table;
+        let Some(route_id) = table.route_for(&req.model, &snap.config.backends) else {
+            tracing::info!(model = %req.model, client = client.name(), status = 404, code = "model_not_found", "no backend serves this model");
+            return local(GatewayError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!(
+                    "The model `{}` is not served by this gateway. `GET /v1/models` lists the models it serves.",
+                    req.model
+                ),
+            )
+            .into_response());
+        };
+
+        let mut guard = DisconnectGuard {
+            model: &req.model,
+            started,
+            answered: false,
+        };
+        let est_tokens = match priority {
+            Some(p) => crate::priority::estimate_tokens(&body, operation, p.default_max_tokens),
+            // The body-model shapes read the limits with the model; Azure classic paths
+            // scan for them.
+            None => match &req.body_info {
+                Some(info) => {
+                    crate::priority::cheap_estimate_of(body.len(), operation, info.limits)
+                }
+                None => crate::priority::cheap_estimate(&body, operation),
+            },
+        };
+        let ctx = Ctx {
+            app: &app,
+            snap: &snap,
+            method: &method,
+            upstream_headers: &forwarded,
+            req: &req,
+            body,
+            route_id,
+            started,
+            low,
+            est_tokens,
+            strip_usage,
+            store_budget: StoreBudget::new(app.store.request_budget()),
+        };
+        let outcome = attempt_loop(&ctx).await;
+        guard.answered = true;
+        if ctx.low {
+            // Per model (the toolkit's per-deployment thresholds); admitted means it reached a
+            // backend.
+            let decision = match &outcome {
+                Ended::PriorityRefused { .. } => Some("refused"),
+                Ended::Served { .. } => Some("admitted"),
+                Ended::Exhausted { attempts, .. }
+                | Ended::BudgetExhausted { attempts, .. }
+                | Ended::DeadlineExceeded { attempts, .. } => (*attempts > 0).then_some("admitted"),
+            };
+            if let Some(d) = decision {
+                app.metrics
+                    .low_priority
+                    .get_or_create(&vec![
+                        ("decision", d.into()),
+                        (
+                            "model",
+                            ctx.snap
+                                .config
+                                .table
+                                .model_label(&ctx.req.model)
+                                .to_string()
+                                .into(),
+                        ),
+                    ])
+                    .inc();
+            }
         }
+        finish(outcome, &ctx, &client, &app)
     }
-    finish(outcome, &ctx, &client, &app)
 }
 
 /// Logs a request whose client went away before it was answered. The client connection

@@ -114,12 +114,15 @@ fn new_request_id() -> http::HeaderValue {
 /// Gives every request an id (the client's `x-request-id` when present and sane, else a
 /// new one), carried by every log line of the request, sent upstream and returned in
 /// `x-request-id`. `probes` serves `/healthz` and `/readyz` (not counted); the proxy
-/// serves (and counts) the rest.
-async fn serve(
+/// serves (and counts) the rest. Not an `async fn`: one would hold the request twice
+/// (its argument, and the copy its body moves it into) beside the proxy's future that
+/// takes it, and each byte of the future is copied as it is boxed.
+fn serve(
     app: Arc<App>,
     probes: Option<Router>,
     req: Request<axum::body::Body>,
-) -> Reply<axum::body::Body> {
+) -> impl Future<Output = Reply<axum::body::Body>> + Send {
+    use futures_util::future::Either;
     use tower::ServiceExt;
     use tracing::Instrument;
     let header = match req
@@ -134,22 +137,24 @@ async fn serve(
     let id = header.to_str().unwrap_or("-");
     let span = tracing::info_span!("req", request_id = %id);
     let Some(probes) = probes else {
-        let mut reply = crate::proxy::handle(Arc::clone(&app), req, header.clone())
-            .instrument(span)
-            .await;
-        match &mut reply {
-            Reply::Response(resp) => {
-                resp.headers_mut()
-                    .insert(crate::proxy::HEADER_REQUEST_ID, header);
+        let proxied = crate::proxy::handle(app, req, header.clone()).instrument(span);
+        return Either::Left(proxied.map(move |mut reply| {
+            match &mut reply {
+                Reply::Response(resp) => {
+                    resp.headers_mut()
+                        .insert(crate::proxy::HEADER_REQUEST_ID, header);
+                }
+                Reply::Relay(relay) => relay.set_request_id(header),
             }
-            Reply::Relay(relay) => relay.set_request_id(header),
-        }
-        return reply;
+            reply
+        }));
     };
-    let Ok(mut resp) = probes.oneshot(req.into_http()).instrument(span).await;
-    resp.headers_mut()
-        .insert(crate::proxy::HEADER_REQUEST_ID, header);
-    Reply::Response(resp)
+    Either::Right(async move {
+        let Ok(mut resp) = probes.oneshot(req.into_http()).instrument(span).await;
+        resp.headers_mut()
+            .insert(crate::proxy::HEADER_REQUEST_ID, header);
+        Reply::Response(resp)
+    })
 }
 
 async fn healthz() -> impl IntoResponse {
