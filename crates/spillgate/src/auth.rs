@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use crate::h1::Values;
+use crate::h1::{Common, Values};
 use sha2::{Digest, Sha256};
 use spillgate_core::config::ClientKey;
 use subtle::ConstantTimeEq;
@@ -75,8 +75,8 @@ pub const CLIENT_CREDENTIAL_HEADERS: [&str; 3] =
     ["authorization", "api-key", "ocp-apim-subscription-key"];
 
 // Statics, not constants: the values found borrow the name they were found by.
-static HEADER_API_KEY: http::HeaderName = http::HeaderName::from_static("api-key");
-static HEADER_AUTHORIZATION: http::HeaderName = http::header::AUTHORIZATION;
+static HEADER_API_KEY: Common = Common::new("api-key");
+static HEADER_AUTHORIZATION: Common = Common::new("authorization");
 static HEADER_APIM_KEY: http::HeaderName =
     http::HeaderName::from_static("ocp-apim-subscription-key");
 
@@ -100,14 +100,14 @@ impl ClientKeys {
         let Some(keys) = &self.keys else {
             return Some(Client::Anonymous);
         };
-        let first = |name| headers.values(name).next();
-        let presented = first(&HEADER_API_KEY)
+        let presented = headers
+            .first(&HEADER_API_KEY)
             .or_else(|| {
-                first(&HEADER_AUTHORIZATION).and_then(|v| {
+                headers.first(&HEADER_AUTHORIZATION).and_then(|v| {
                     (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| &v[7..])
                 })
             })
-            .or_else(|| first(&HEADER_APIM_KEY))?;
+            .or_else(|| headers.values(&HEADER_APIM_KEY).next())?;
         let presented = digest(presented.trim_ascii());
         let mut found = None;
         // Check every key, without an early exit, so timing does not tell which matched.

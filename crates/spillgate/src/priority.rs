@@ -34,13 +34,12 @@ pub fn treated_as_low(
     config.priority.is_some() && is_low(headers, query)
 }
 
-const HEADER_PRIORITY: http::HeaderName = http::HeaderName::from_static("x-priority");
+static HEADER_PRIORITY: crate::h1::Common = crate::h1::Common::new("x-priority");
 
 /// Whether a request asks to be low priority: `x-priority: low` or `priority=low`.
 pub fn is_low(headers: &impl Values, query: Option<&str>) -> bool {
     let header = headers
-        .values(&HEADER_PRIORITY)
-        .next()
+        .first(&HEADER_PRIORITY)
         .is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"low"));
     let param = query.is_some_and(|q| {
         q.split('&').any(|kv| {

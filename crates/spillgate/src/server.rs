@@ -84,6 +84,9 @@ where
     }
 }
 
+/// The request id header, as a request's headers are searched for it.
+static REQUEST_ID: crate::h1::Common = crate::h1::Common::new("x-request-id");
+
 /// Whether a request id the client sent is safe to echo and log.
 fn sane_request_id(b: &[u8]) -> bool {
     !b.is_empty()
@@ -127,7 +130,7 @@ fn serve(
     use tracing::Instrument;
     let header = match req
         .headers
-        .value(&crate::proxy::HEADER_REQUEST_ID)
+        .value(&REQUEST_ID)
         .filter(|v| sane_request_id(v.as_bytes()))
     {
         Some(v) => v,
