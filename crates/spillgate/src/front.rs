@@ -134,8 +134,8 @@ impl Input {
 
 /// A request as the listener gives it to its service: its headers as they came, not a
 /// `HeaderMap` (see [`h1::RawHeaders`]). Building the map, filtering it on the way
-/// upstream and dropping it was about 2,400 instructions a JSON request (callgrind),
-/// for headers that nearly all go upstream as they are.
+/// upstream and dropping it was about 1,900 instructions a JSON request, 8,000 with the
+/// OpenAI SDK's headers (callgrind), for headers that nearly all go upstream as they are.
 pub struct Request<B> {
     pub method: Method,
     pub uri: Uri,

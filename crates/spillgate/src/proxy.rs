@@ -250,8 +250,8 @@ const FORWARD_DROPS: u128 = {
 /// (the [`Upstream`](crate::upstream::Upstream) writes its own); then the gateway's id
 /// for the request (the client's own when it sent a sane one), so that the two logs can
 /// be matched. Each attempt writes its backend's credential after them. Built into a
-/// map, filtered and dropped, the client's headers were about 2,400 instructions of a
-/// JSON request (callgrind).
+/// map, filtered and dropped, the client's headers were about 1,900 instructions of a
+/// JSON request, 8,000 with the OpenAI SDK's sixteen headers (callgrind).
 pub struct Forwarded {
     lines: h1::RawHeaders,
     request_id: HeaderValue,

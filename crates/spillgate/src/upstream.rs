@@ -28,7 +28,7 @@ use spillgate_core::config::Timeouts;
 
 use crate::h1;
 use crate::lock;
-pub use crate::proxy::Forwarded;
+use crate::proxy::Forwarded;
 use tokio::time::Instant;
 
 /// Why an attempt got no response.
