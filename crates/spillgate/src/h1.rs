@@ -1630,6 +1630,38 @@ mod tests {
         }
     }
 
+    /// Every common name, in either case, with each of its bytes changed to every
+    /// value, one byte longer and one shorter: the table finds what a scan finds. And
+    /// names too long for the key's length bits are no common name.
+    #[test]
+    fn the_name_table_finds_each_near_miss_as_a_scan_does() {
+        let scan = |name: &[u8]| {
+            COMMON_NAME_TEXTS
+                .iter()
+                .position(|t| t.as_bytes().eq_ignore_ascii_case(name))
+        };
+        for text in COMMON_NAME_TEXTS {
+            for name in [text.to_string(), text.to_ascii_uppercase()] {
+                let name = name.into_bytes();
+                for at in 0..name.len() {
+                    for byte in 0..=u8::MAX {
+                        let mut near = name.clone();
+                        near[at] = byte;
+                        assert_eq!(common_index(&near), scan(&near), "{near:?}");
+                    }
+                }
+                let longer = [&name[..], b"x"].concat();
+                assert_eq!(common_index(&longer), scan(&longer));
+                let shorter = &name[..name.len() - 1];
+                assert_eq!(common_index(shorter), scan(shorter));
+            }
+        }
+        let mut wrapped = b"host".to_vec();
+        wrapped.resize(4 + (1 << 11), b't');
+        assert_eq!(common_index(&wrapped), None);
+        assert_eq!(common_index(&vec![b'a'; 1 << 20]), None);
+    }
+
     proptest::proptest! {
         /// The table finds what a comparison with each common name in turn finds, for
         /// any name: a common one in any case, one changed by a byte, or any other.

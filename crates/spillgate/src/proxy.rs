@@ -158,7 +158,7 @@ impl NameFilter {
             || (!prefix.is_empty()
                 && name
                     .get(..prefix.len())
-                    .is_some_and(|p| p.eq_ignore_ascii_case(prefix)))
+                    .is_some_and(|p| p.iter().zip(prefix).all(|(&a, &b)| hyphen_fold(a) == b)))
     }
 }
 
@@ -326,10 +326,22 @@ impl Forwarded {
 }
 
 /// Whether a header name of no common name, in any case, is hop-by-hop or
-/// [`not_forwarded`]: asked only of the few names [`FORWARD_FILTER`] lets through.
+/// [`not_forwarded`]: asked only of the few names [`FORWARD_FILTER`] lets through. An
+/// underscore counts as a hyphen: servers that read headers as CGI variables (WSGI,
+/// PHP) take `Api_Key` for `api-key` and `X_Forwarded_For` for `x-forwarded-for`, so
+/// those spellings stay behind too.
 fn not_forwarded_in_any_case(name: &[u8]) -> bool {
-    let lower = String::from_utf8_lossy(name).to_ascii_lowercase();
-    HOP_BY_HOP.contains(&lower.as_str()) || not_forwarded(&lower)
+    let folded: Vec<u8> = name.iter().map(|&b| hyphen_fold(b)).collect();
+    let folded = String::from_utf8_lossy(&folded);
+    HOP_BY_HOP.contains(&&*folded) || not_forwarded(&folded)
+}
+
+/// A byte of a header name as the lists spell it: lower case, `_` as `-`.
+fn hyphen_fold(b: u8) -> u8 {
+    match b {
+        b'_' => b'-',
+        b => b.to_ascii_lowercase(),
+    }
 }
 
 /// The names a head's `Connection` headers list, hop-by-hop like those of [`HOP_BY_HOP`]
@@ -2955,10 +2967,21 @@ mod tests {
         sent
     }
 
+    /// The headers of `lines` in the map an HTTP/2 upstream gets, as [`forwarded`] gives
+    /// them.
+    fn forwarded_map(lines: &[u8]) -> Vec<(String, String)> {
+        let forwarded = Forwarded::new(h1::raw_headers(lines), HeaderValue::from_static("req-1"));
+        forwarded
+            .to_map(None)
+            .iter()
+            .map(|(n, v)| (n.as_str().to_string(), v.to_str().unwrap().to_string()))
+            .collect()
+    }
+
     /// What goes upstream of `lines`, by the lists themselves: each header whose name
-    /// (in lower case) is neither hop-by-hop, nor [`not_forwarded`], nor `host`,
-    /// `content-length` or `x-request-id`, nor listed by a `Connection` header; then the
-    /// request id.
+    /// (in lower case) is neither hop-by-hop nor [`not_forwarded`] (with `_` read as
+    /// `-`), nor `host`, `content-length` or `x-request-id`, nor listed by a `Connection`
+    /// header; then the request id.
     fn forwarded_by_the_lists(lines: &[u8]) -> Vec<(String, String)> {
         let raw = h1::raw_headers(lines);
         let headers: Vec<(String, String)> = raw
@@ -2979,8 +3002,10 @@ mod tests {
         let mut sent: Vec<(String, String)> = headers
             .iter()
             .filter(|(n, _)| {
-                !(HOP_BY_HOP.contains(&n.as_str())
-                    || not_forwarded(n)
+                // The lists' names in any spelling with `_` for `-`.
+                let hyphens = n.replace('_', "-");
+                !(HOP_BY_HOP.contains(&hyphens.as_str())
+                    || not_forwarded(&hyphens)
                     || ["host", "content-length", "x-request-id"].contains(&n.as_str())
                     || listed.contains(n))
             })
@@ -3000,7 +3025,8 @@ mod tests {
             Connection: keep-alive, X-Hop\r\nX-HOP: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n\
             Proxy-Authorization: Basic eA==\r\nX-Request-Id: client-1\r\n\
             User-Agent: OpenAI/Python\r\nx-forwarded: kept: not a forwarding header family\r\n\
-            X-Stainless-Lang: python\r\n\r\n";
+            X-Stainless-Lang: python\r\nApi_Key: k\r\nX_Forwarded_For: 10.0.0.1\r\n\
+            x_forwarded_port: 443\r\nX_Custom: kept\r\n\r\n";
         let sent = forwarded(lines);
         assert_eq!(
             sent,
@@ -3008,6 +3034,7 @@ mod tests {
                 ("user-agent", "OpenAI/Python"),
                 ("x-forwarded", "kept: not a forwarding header family"),
                 ("x-stainless-lang", "python"),
+                ("x_custom", "kept"),
                 ("x-request-id", "req-1"),
             ]
             .map(|(n, v)| (n.to_string(), v.to_string()))
@@ -3028,7 +3055,12 @@ mod tests {
                 &HOP_BY_HOP[..],
                 NOT_FORWARDED.concat().as_slice(),
                 &h1::COMMON_NAME_TEXTS,
-                &["x-forwarded-port", "x-forwarded-", "x-forwarded", "x-custom", "x-hop", "a", "ocp-apim-subscription-keys"],
+                &[
+                    "x-forwarded-port", "x-forwarded-", "x-forwarded", "x-custom", "x-hop", "a",
+                    "ocp-apim-subscription-keys", "api_key", "x_forwarded_for", "x_forwarded_port",
+                    "x-forwarded_prefix", "ocp_apim_subscription_key", "keep_alive", "x_custom",
+                    "content_length", "openai_organization",
+                ],
             ]
             .concat()
             .into_iter()
@@ -3053,7 +3085,14 @@ mod tests {
                 lines.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
             }
             lines.extend_from_slice(b"\r\n");
-            proptest::prop_assert_eq!(forwarded(&lines), forwarded_by_the_lists(&lines));
+            let sent = forwarded(&lines);
+            proptest::prop_assert_eq!(&sent, &forwarded_by_the_lists(&lines));
+            // Over HTTP/2 the same headers, in a map.
+            let mut in_map = forwarded_map(&lines);
+            let mut sent = sent;
+            in_map.sort();
+            sent.sort();
+            proptest::prop_assert_eq!(in_map, sent);
         }
     }
 }

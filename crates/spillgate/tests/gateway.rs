@@ -757,6 +757,72 @@ async fn credentials_are_kept_apart_and_never_logged() {
     assert!(!log_text.contains("Hello, which backend"), "prompt in logs");
 }
 
+/// A client's headers as raw bytes, in any case and with `_` for `-` (hyper's client would
+/// send them in lower case): what never goes upstream stays behind, and the one body
+/// length that counts is the gateway's own.
+#[tokio::test]
+async fn headers_that_stay_behind_stay_behind_in_any_spelling() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = Env::start(vec![b("p1", 1)], "").await;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw.example\r\nContent-Type: application/json\r\n\
+         API-KEY: {CLIENT_KEY}\r\nAUTHORIZATION: Bearer {CLIENT_KEY}\r\n\
+         Ocp-Apim-Subscription-Key: {CLIENT_KEY}\r\nApi_Key: {CLIENT_KEY}\r\n\
+         X-FORWARDED-FOR: 10.0.0.1\r\nX_Forwarded_Port: 443\r\nForwarded: for=10.0.0.1\r\n\
+         COOKIE: s=1\r\nConnection: X-Hop\r\nX-HOP: 1\r\nX-Priority: low\r\n\
+         OpenAI-Organization: org\r\nX-Request-ID: client-1\r\nContent-Length: 9999\r\n\
+         Transfer-Encoding: chunked\r\nX-Custom: kept\r\n\r\n{:x}\r\n{CHAT}\r\n0\r\n\r\n",
+        CHAT.len()
+    );
+    let mut sock = tokio::net::TcpStream::connect(env.gw.addr).await.unwrap();
+    sock.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    // A length beside a transfer coding: answered, then closed.
+    tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert!(answer.contains("x-request-id: client-1\r\n"), "{answer}");
+
+    let r = &env.mocks[0].requests()[0];
+    let sent = format!("{:?}", r.headers);
+    assert!(
+        !sent.contains(CLIENT_KEY),
+        "a client key went upstream: {sent}"
+    );
+    for name in [
+        "x-forwarded-for",
+        "x_forwarded_port",
+        "forwarded",
+        "api_key",
+        "ocp-apim-subscription-key",
+        "authorization",
+        "cookie",
+        "connection",
+        "x-hop",
+        "x-priority",
+        "openai-organization",
+        "transfer-encoding",
+    ] {
+        assert_eq!(r.header(name), None, "{name} went upstream: {sent}");
+    }
+    assert_eq!(r.header("api-key"), Some(BACKEND_KEYS[0]));
+    assert_eq!(r.header("x-request-id"), Some("client-1"));
+    assert_eq!(r.header("x-custom"), Some("kept"));
+    assert_eq!(
+        r.header("content-length"),
+        Some(CHAT.len().to_string().as_str())
+    );
+    assert_ne!(r.header("host"), Some("gw.example"));
+    let once = |name: &str| r.headers.iter().filter(|(k, _)| k == name).count();
+    assert_eq!(
+        (once("host"), once("content-length"), once("api-key")),
+        (1, 1, 1)
+    );
+}
+
 #[tokio::test]
 async fn wrong_or_missing_client_key_is_refused_before_any_upstream_call() {
     let env = Env::start(vec![b("p1", 1)], "").await;
