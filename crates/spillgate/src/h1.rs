@@ -568,7 +568,7 @@ struct Field {
 /// client line by line (`proxy::Relay`): built into a `HeaderMap`, filtered in it,
 /// written out of it and dropped, they cost about 4,000 instructions a JSON response
 /// (callgrind), for headers nearly all of which pass through as they are. A client's
-/// go upstream the same way (`upstream::Forwarded`).
+/// go upstream the same way (`proxy::Forwarded`).
 pub struct RawHeaders {
     head: Bytes,
     fields: Vec<Field>,
@@ -646,7 +646,8 @@ impl RawHeaders {
     /// `map`'s headers, as a head that held them would give them (for requests made
     /// as an `http::Request`: tests, and callers other than the listener). A header
     /// such a head could not hold is left out, which none of a map is: a map's names
-    /// and values are the bytes a head's may be.
+    /// and values are the bytes a head's may be. As in a head, a value's leading and
+    /// trailing spaces and tabs are not part of it.
     pub fn from_map(map: &HeaderMap) -> RawHeaders {
         let mut lines = Vec::new();
         for (name, value) in map {
