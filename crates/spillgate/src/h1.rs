@@ -654,17 +654,27 @@ impl RawHeaders {
             header_line(&mut lines, name, value);
         }
         lines.extend_from_slice(b"\r\n");
-        let mut parsed = vec![httparse::EMPTY_HEADER; map.len()];
-        let mut spans = HeadSpans::new();
-        let len = match httparse::parse_headers(&lines, &mut parsed) {
-            Ok(httparse::Status::Complete((len, parsed))) => {
-                spans.record(&lines, parsed);
-                len
-            }
-            _ => 0,
+        RawHeaders::parse(&lines).unwrap_or_else(|| RawHeaders {
+            head: Bytes::new(),
+            fields: Vec::new(),
+            seen: Seen::default(),
+            stray_length: false,
+        })
+    }
+
+    /// The headers of `lines` (a head without its start line, its empty line
+    /// included); `None` when they are not a complete head.
+    fn parse(lines: &[u8]) -> Option<RawHeaders> {
+        let most = lines.iter().filter(|&&b| b == b'\n').count();
+        let mut parsed = vec![httparse::EMPTY_HEADER; most];
+        let Ok(httparse::Status::Complete((len, parsed))) =
+            httparse::parse_headers(lines, &mut parsed)
+        else {
+            return None;
         };
-        let mut buf = BytesMut::from(&lines[..]);
-        spans.take_raw(&mut buf, len)
+        let mut spans = HeadSpans::new();
+        spans.record(lines, parsed);
+        Some(spans.take_raw(&mut BytesMut::from(lines), len))
     }
 
     /// The number of headers.
@@ -752,27 +762,11 @@ fn recycle_fields(mut fields: Vec<Field>) {
     });
 }
 
-/// Where the headers of `lines` (a head without its start line) lie, and the head's
-/// length.
-#[cfg(test)]
-fn spans_of(lines: &[u8]) -> (HeadSpans, usize) {
-    let mut headers = [httparse::EMPTY_HEADER; 64];
-    let Ok(httparse::Status::Complete((len, parsed))) =
-        httparse::parse_headers(lines, &mut headers)
-    else {
-        panic!("not a complete head")
-    };
-    let mut spans = HeadSpans::new();
-    spans.record(lines, parsed);
-    (spans, len)
-}
-
 /// The headers of `lines` (a head without its start line) as [`HeadSpans::take_raw`]
 /// keeps them.
 #[cfg(test)]
 pub(crate) fn raw_headers(lines: &[u8]) -> RawHeaders {
-    let (spans, len) = spans_of(lines);
-    spans.take_raw(&mut BytesMut::from(lines), len)
+    RawHeaders::parse(lines).expect("a complete head")
 }
 
 /// Header values by name: a map's, or a head's as it came.
@@ -1070,7 +1064,7 @@ pub(crate) fn common_header_name(i: usize) -> Option<HeaderName> {
 /// `name` as one of [`COMMON_NAMES`], whatever its case.
 #[cfg(test)]
 fn common_name(name: &[u8]) -> Option<HeaderName> {
-    common_index(name).map(|i| COMMON_NAMES[i].clone())
+    common_index(name).and_then(common_header_name)
 }
 
 /// Where `name` is in [`COMMON_NAMES`], whatever its case: the one name in its slot,
@@ -1746,6 +1740,13 @@ mod tests {
         assert_eq!(lines.first(&authorization), Some(&b"Bearer k"[..]));
         let shared = lines.value(&authorization).unwrap();
         assert_eq!(shared, "Bearer k");
+        // The value shares the head's bytes; one that is not a value of it is copied.
+        let value = lines.first(&authorization).unwrap();
+        assert_eq!(shared.as_bytes().as_ptr(), value.as_ptr());
+        let elsewhere = b"Bearer k".to_vec();
+        let copied = lines.share(&elsewhere).unwrap();
+        assert_eq!(copied, "Bearer k");
+        assert_ne!(copied.as_bytes().as_ptr(), elsewhere.as_ptr());
     }
 
     /// A list of where a response's headers lay, given back when the response is done,

@@ -57,7 +57,8 @@ pub(crate) const ADDED_RESPONSE_HEADERS: usize = 4;
 const HEADER_UPSTREAM_REQUEST_ID: HeaderName = HeaderName::from_static("x-upstream-request-id");
 
 /// Connection-scoped headers (RFC 9110 §7.6.1) that a proxy must not forward, hop-by-hop
-/// by themselves; the names a `Connection` header lists are too (see [`unwanted_names`]).
+/// by themselves; the names a `Connection` header lists are too (see
+/// [`connection_listed`] and [`unreturned_names`]).
 const HOP_BY_HOP: [&str; 9] = [
     "connection",
     "keep-alive",
@@ -70,21 +71,19 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
-/// The names of `headers` that are hop-by-hop or `unwanted`. The `Connection` values are
-/// looked up (which hashes the name) only when a name in the map says there are some:
-/// most heads have none. `unwanted` is asked only about the names `could_be` lets through.
-fn unwanted_names(
-    headers: &HeaderMap,
-    could_be: &NameFilter,
-    unwanted: impl Fn(&str) -> bool,
-) -> SmallVec<[HeaderName; 4]> {
+/// The names of a backend's response `headers` that are hop-by-hop or [`not_returned`].
+/// The `Connection` values are looked up (which hashes the name) only when a name in the
+/// map says there are some: most heads have none. The lists are asked only about the
+/// names [`RESPONSE_FILTER`] lets through.
+fn unreturned_names(headers: &HeaderMap) -> SmallVec<[HeaderName; 4]> {
     let mut connection = false;
     let mut names: SmallVec<[HeaderName; 4]> = headers
         .keys()
         .filter(|name| {
             connection |= *name == header::CONNECTION;
             let name = name.as_str();
-            could_be.passes(name.as_bytes()) && (HOP_BY_HOP.contains(&name) || unwanted(name))
+            RESPONSE_FILTER.passes(name.as_bytes())
+                && (HOP_BY_HOP.contains(&name) || not_returned(name))
         })
         .cloned()
         .collect();
@@ -195,10 +194,11 @@ const NOT_FORWARDED_EITHER: [&str; 2] = ["expect", "cookie"];
 /// The family of forwarding headers (`x-forwarded-for`, `-proto`, `-host`...).
 const FORWARDING_PREFIX: &str = "x-forwarded-";
 
-/// [`not_forwarded`]'s and the hop-by-hop names, for [`unwanted_names`].
+/// [`not_forwarded`]'s and the hop-by-hop names, for the client's header names of no
+/// common name (see [`Forwarded`]).
 const FORWARD_FILTER: NameFilter = NameFilter::of(&HOP_BY_HOP, &NOT_FORWARDED, FORWARDING_PREFIX);
 
-/// [`not_returned`]'s and the hop-by-hop names, for [`unwanted_names`] on a response.
+/// [`not_returned`]'s and the hop-by-hop names, for [`unreturned_names`].
 const RESPONSE_FILTER: NameFilter = NameFilter::of(&HOP_BY_HOP, &NOT_RETURNED, "");
 
 /// Bit `i`: a client's header of `h1`'s common name `i` never goes upstream. The
@@ -384,7 +384,7 @@ const GATEWAY_HEADERS: [&str; 3] = [
 /// backend-only and the gateway's own headers stay behind. `extra` is room for the
 /// headers the gateway adds.
 fn response_headers(mut headers: HeaderMap, extra: usize) -> HeaderMap {
-    let unwanted = unwanted_names(&headers, &RESPONSE_FILTER, not_returned);
+    let unwanted = unreturned_names(&headers);
     for name in &unwanted {
         headers.remove(name);
     }
@@ -2862,8 +2862,8 @@ mod tests {
         assert_eq!(out["x-ratelimit-remaining-tokens"], "900");
     }
 
-    /// What [`unwanted_names`] asks of a name after the filter, for a request and for a
-    /// response.
+    /// What the lists say of a name the filter lets through: for a request (see
+    /// [`not_forwarded_in_any_case`]) and for a response (see [`unreturned_names`]).
     fn forward_listed(n: &str) -> bool {
         HOP_BY_HOP.contains(&n) || not_forwarded(n)
     }
