@@ -7,18 +7,17 @@
 //! holds none), header values share the head's bytes, and a response's head goes out in
 //! one `writev` with its first data when the body has that ready (else alone, at once).
 //!
-//! Each connection is one task: it reads a head, calls the service, and polls the
-//! service's future itself. The service answers a [`Reply`]: a response, whose head is
+//! Each connection is one task: it reads a head, calls the handler, and polls the
+//! handler's future itself. The handler answers a [`Reply`]: a response, whose head is
 //! written from its header map, or a backend's answer relayed with its header lines as
 //! they came (see [`crate::proxy::Relay`]). The request body reads the same socket when
-//! the service polls it; once it has been read, the socket is watched for the client
+//! the handler polls it; once it has been read, the socket is watched for the client
 //! going away, which drops (and so cancels) the request in flight. Requests are answered
 //! in order; one sent before the previous answer (pipelined) waits in the buffer.
 //!
 //! What it does not do, because the gateway's clients never need it: upgrades, HTTP/2,
 //! or trailers (received ones are dropped; none are sent).
 
-use std::convert::Infallible;
 use std::future::{poll_fn, Future};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
@@ -400,6 +399,63 @@ impl<B> Reply<B> {
     }
 }
 
+impl<B: http_body::Body> Reply<B> {
+    /// Whether the body's length is known before it is sent: a body taken whole, or
+    /// one with a declared length. An answer that streams (SSE) has none.
+    fn length_known(&self) -> bool {
+        match self {
+            Reply::Response(resp) => resp.body().size_hint().exact().is_some(),
+            Reply::Relay(relay) => relay.body().size_hint().exact().is_some(),
+        }
+    }
+}
+
+/// Where a connection's request future lives: one allocation, made for the first
+/// request and written over by each next one, instead of one box a request.
+struct FutureSlot<F>(Option<Pin<Box<Option<F>>>>);
+
+impl<F: Future> FutureSlot<F> {
+    fn new() -> Self {
+        FutureSlot(None)
+    }
+
+    /// `future`, in the slot's allocation (made now when there is none), to poll until
+    /// it is ready and then [`FutureSlot::finish`].
+    fn start(&mut self, future: F) -> SlotFuture<'_, F> {
+        let slot = match self.0.take() {
+            Some(mut slot) => {
+                slot.set(Some(future));
+                self.0.insert(slot)
+            }
+            None => self.0.insert(Box::pin(Some(future))),
+        };
+        SlotFuture(slot.as_mut())
+    }
+
+    /// Drops the future; the allocation too unless `keep`.
+    fn finish(&mut self, keep: bool) {
+        match &mut self.0 {
+            Some(slot) if keep => slot.set(None),
+            _ => self.0 = None,
+        }
+    }
+}
+
+/// The future in a [`FutureSlot`]. Not polled again once ready.
+struct SlotFuture<'a, F>(Pin<&'a mut Option<F>>);
+
+impl<F: Future> Future for SlotFuture<'_, F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        match self.0.as_mut().as_pin_mut() {
+            Some(f) => f.poll(cx),
+            // `start` always fills the slot, and `finish` empties it only after.
+            None => Poll::Pending,
+        }
+    }
+}
+
 /// A service's answer as a [`Reply`].
 pub trait IntoReply {
     type Body;
@@ -430,15 +486,24 @@ enum Next {
 }
 
 /// Serves `stream` until the client closes it, a request says to, or `stopped` turns
-/// true (the request in progress is answered first).
-pub async fn serve<S, B>(
+/// true (the request in progress is answered first). `handler` answers each request.
+///
+/// A function rather than a `tower::Service`: a service's future has to be named, so
+/// the gateway's was boxed (`Pin<Box<dyn Future>>`), one allocation of about 2.8 KB
+/// per request. At that size glibc's malloc passes its per-thread cache by (it stops
+/// at 1,032 bytes, and cannot be raised), and the allocation and its free took about
+/// 450 instructions of a JSON request (callgrind). The future's type known, the
+/// connection keeps one allocation for it from request to request (see
+/// [`FutureSlot`]).
+pub async fn serve<H, F, B>(
     stream: TcpStream,
-    mut service: S,
+    mut handler: H,
     limits: Limits,
     stopped: watch::Receiver<bool>,
 ) where
-    S: tower::Service<Request<RequestBody>, Error = Infallible>,
-    S::Response: IntoReply<Body = B>,
+    H: FnMut(Request<RequestBody>) -> F,
+    F: Future,
+    F::Output: IntoReply<Body = B>,
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
@@ -469,6 +534,7 @@ pub async fn serve<S, B>(
     let mut stop_signal = std::pin::pin!(stop_signal);
     let mut timer = std::pin::pin!(tokio::time::sleep(limits.header_timeout));
     let mut last_target = LastTarget::default();
+    let mut slot = FutureSlot::new();
     loop {
         // When the wait for this head ends. The timer is not moved to it here but when it
         // goes off early, at an earlier request's end of wait: moved with each request of
@@ -571,14 +637,11 @@ pub async fn serve<S, B>(
                 hint,
             };
             let req = head.map(|()| body);
-            let Ok(()) = poll_fn(|cx| service.poll_ready(cx)).await;
             let answered = {
-                // Dropped once it has answered: it is done, and a response that streams for
-                // minutes would keep its memory.
-                let mut call = std::pin::pin!(service.call(req));
+                let mut call = slot.start(handler(req));
                 let mut continued = 0;
                 poll_fn(|cx| loop {
-                    if let Poll::Ready(Ok(resp)) = call.as_mut().poll(cx) {
+                    if let Poll::Ready(resp) = Pin::new(&mut call).poll(cx) {
                         return Poll::Ready(Some(resp.into_reply()));
                     }
                     let mut input = lock(&shared);
@@ -607,6 +670,11 @@ pub async fn serve<S, B>(
             let Some(resp) = answered else {
                 return;
             };
+            // Dropped once it has answered: it is done, and a response that streams for
+            // minutes would keep what it holds. Its allocation is kept for the
+            // connection's next request unless the answer may stream (of unknown
+            // length): an open stream then holds none.
+            slot.finish(resp.length_known());
             (resp, method, version, keep_alive)
         };
         let keep_alive = keep_alive && !*stopped.borrow();
@@ -1020,6 +1088,7 @@ mod tests {
     use super::*;
     use http_body_util::combinators::BoxBody;
     use http_body_util::{BodyExt, Full, StreamBody};
+    use std::convert::Infallible;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use tokio::io::AsyncReadExt;
 
@@ -1139,10 +1208,10 @@ mod tests {
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let s = Arc::clone(&s);
-                let svc = tower::service_fn(move |req: Request<RequestBody>| {
+                let svc = move |req: Request<RequestBody>| {
                     let s = Arc::clone(&s);
-                    async move { Ok::<_, Infallible>(service(s, req.into_http()).await) }
-                });
+                    async move { service(s, req.into_http()).await }
+                };
                 tokio::spawn(serve(stream, svc, limits, stopped.clone()));
             }
         });
@@ -1379,7 +1448,7 @@ mod tests {
         let (_stop, stopped) = watch::channel(false);
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
-                let svc = tower::service_fn(|req: Request<RequestBody>| async move {
+                let svc = |req: Request<RequestBody>| async move {
                     let declared = (req.uri.path() == "/declared").then_some(5);
                     let chunks = futures_util::stream::iter([Ok::<_, Infallible>(Frame::data(
                         Bytes::from_static(b"hello"),
@@ -1393,8 +1462,8 @@ mod tests {
                         declared,
                         StreamBody::new(chunks).boxed(),
                     );
-                    Ok::<_, Infallible>(Reply::Relay(relay))
-                });
+                    Reply::Relay(relay)
+                };
                 tokio::spawn(serve(stream, svc, LIMITS, stopped.clone()));
             }
         });
@@ -1815,6 +1884,69 @@ mod tests {
         assert_eq!(chunk_line(&mut b, usize::MAX), b"ffffffffffffffff\r\n");
     }
 
+    #[test]
+    fn a_future_slot_keeps_its_allocation_only_for_answers_of_known_length() {
+        // Ready at once, and what it holds is dropped with it (an `async` block's would
+        // be dropped as it finished).
+        struct Call {
+            n: u32,
+            _flag: DropFlag,
+        }
+        impl Future for Call {
+            type Output = u32;
+            fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<u32> {
+                Poll::Ready(self.n)
+            }
+        }
+        let seen = Arc::new(Seen::default());
+        let mut slot = FutureSlot::new();
+        let call = |n: u32| Call {
+            n,
+            _flag: DropFlag(Arc::clone(&seen)),
+        };
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let at = |slot: &FutureSlot<_>| slot.0.as_ref().map(|b| std::ptr::from_ref(&**b));
+
+        let mut first = slot.start(call(1));
+        assert_eq!(Pin::new(&mut first).poll(&mut cx), Poll::Ready(1));
+        assert!(!seen.dropped.load(Ordering::SeqCst), "held until finished");
+        slot.finish(true);
+        assert!(
+            seen.dropped.swap(false, Ordering::SeqCst),
+            "dropped when finished"
+        );
+        let kept = at(&slot);
+        assert!(kept.is_some(), "the allocation is kept");
+
+        let mut second = slot.start(call(2));
+        assert_eq!(Pin::new(&mut second).poll(&mut cx), Poll::Ready(2));
+        assert_eq!(at(&slot), kept, "the next request reuses it");
+        slot.finish(false);
+        assert!(seen.dropped.load(Ordering::SeqCst));
+        assert!(slot.0.is_none(), "let go of when the answer may stream");
+
+        let known = Reply::Response(http::Response::new(full("done")));
+        assert!(known.length_known());
+        let chunks = futures_util::stream::iter([Ok::<_, Infallible>(Frame::data(
+            Bytes::from_static(b"data: 1\n\n"),
+        ))]);
+        let streamed = Reply::Response(http::Response::new(StreamBody::new(chunks).boxed()));
+        assert!(!streamed.length_known());
+        let relayed = |length| {
+            let lines = b"Content-Type: text/plain\r\n\r\n";
+            let chunks = futures_util::stream::iter([Ok::<_, Infallible>(Frame::data(
+                Bytes::from_static(b"hello"),
+            ))]);
+            let body = match length {
+                Some(()) => full("hello"),
+                None => StreamBody::new(chunks).boxed(),
+            };
+            Reply::Relay(crate::proxy::test_relay(lines, None, body))
+        };
+        assert!(relayed(Some(())).length_known());
+        assert!(!relayed(None).length_known());
+    }
+
     #[tokio::test]
     async fn a_connection_future_is_small() {
         // What each open connection holds for as long as it is open, beside its buffers.
@@ -1823,9 +1955,7 @@ mod tests {
             .await
             .unwrap();
         let (_, stopped) = watch::channel(false);
-        let svc = tower::service_fn(|_req: Request<RequestBody>| async {
-            Ok::<_, Infallible>(http::Response::new(full("")))
-        });
+        let svc = |_req: Request<RequestBody>| async { http::Response::new(full("")) };
         let n = std::mem::size_of_val(&serve(stream, svc, LIMITS, stopped));
         eprintln!("serve future: {n} bytes");
         assert!(n < 4096, "{n}");

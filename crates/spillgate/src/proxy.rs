@@ -469,6 +469,10 @@ impl<B> Relay<B> {
         self.head.request_id = Some(id);
     }
 
+    pub fn body(&self) -> &B {
+        &self.body
+    }
+
     pub fn into_parts(self) -> (RelayHead, B) {
         (self.head, self.body)
     }

@@ -58,9 +58,22 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
+        Box::pin(self.handle(req).map(Ok))
+    }
+}
+
+impl Gateway {
+    /// The answer to `req`, as a future the caller may keep where it likes (the client
+    /// connection keeps it in one allocation from request to request, see
+    /// [`crate::front::serve`]).
+    pub fn handle<B>(&self, req: Request<B>) -> impl Future<Output = Reply<axum::body::Body>> + Send
+    where
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<axum::BoxError>,
+    {
         let req = req.map(axum::body::Body::new);
         let probes = matches!(req.uri.path(), "/healthz" | "/readyz").then(|| self.probes.clone());
-        Box::pin(serve(Arc::clone(&self.app), probes, req).map(Ok))
+        serve(Arc::clone(&self.app), probes, req)
     }
 }
 
@@ -397,9 +410,10 @@ impl Accept {
                 _ = self.stopped.changed() => break,
             };
             let _ = stream.set_nodelay(true);
+            let gateway = self.service.clone();
             let conn = crate::front::serve(
                 stream,
-                self.service.clone(),
+                move |req| gateway.handle(req),
                 self.limits,
                 self.stopped.clone(),
             );
