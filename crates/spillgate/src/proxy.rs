@@ -1692,7 +1692,10 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         let left = remaining();
         let mut deadline_bound = left.is_some_and(|r| r < first_byte);
         let timeout = left.map_or(first_byte, |r| r.min(first_byte));
-        let mut result = app.upstream.relay(upstream_req, timeout).await;
+        let mut result = match app.upstream.client() {
+            Some(client) => client.relay_inline(upstream_req, timeout).await,
+            None => app.upstream.relay(upstream_req, timeout).await,
+        };
         // A 401 to a token: it may have been revoked or its identity's roles changed.
         // The token is renewed (once, however many requests were refused with it; not at
         // all when it is less than a minute old) and the same backend tried again, within
