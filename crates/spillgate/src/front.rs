@@ -131,7 +131,7 @@ impl Input {
     }
 }
 
-/// A request as the listener gives it to its service: its headers as they came, not a
+/// A request as the listener gives it to its handler: its headers as they came, not a
 /// `HeaderMap` (see [`h1::RawHeaders`]). Building the map, filtering it on the way
 /// upstream and dropping it was about 1,900 instructions a JSON request, 8,000 with the
 /// OpenAI SDK's headers (callgrind), for headers that nearly all go upstream as they are.
@@ -178,7 +178,7 @@ impl<B> Request<B> {
     }
 }
 
-/// A request's body, read from its connection as the service polls it.
+/// A request's body, read from its connection as the handler polls it.
 pub struct RequestBody {
     /// `None` once the body has ended (or when there is none).
     input: Option<Shared>,
@@ -411,8 +411,18 @@ impl<B: http_body::Body> Reply<B> {
 }
 
 /// Where a connection's request future lives: one allocation, made for the first
-/// request and written over by each next one, instead of one box a request.
+/// request and written over by each next one, instead of one box a request. Kept
+/// between requests whose answers had a known length (about 3 KB a connection in a
+/// release build, so a kept-alive connection waiting for its next request holds it, for
+/// at most `timeouts.client_header`, after which an idle connection is closed), and let
+/// go of when an answer streams: an open stream holds none.
 struct FutureSlot<F>(Option<Pin<Box<Option<F>>>>);
+
+#[cfg(test)]
+thread_local! {
+    /// How many slot allocations this thread has made (for the tests).
+    static SLOTS_MADE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 
 impl<F: Future> FutureSlot<F> {
     fn new() -> Self {
@@ -427,7 +437,11 @@ impl<F: Future> FutureSlot<F> {
                 slot.set(Some(future));
                 self.0.insert(slot)
             }
-            None => self.0.insert(Box::pin(Some(future))),
+            None => {
+                #[cfg(test)]
+                SLOTS_MADE.with(|n| n.set(n.get() + 1));
+                self.0.insert(Box::pin(Some(future)))
+            }
         };
         SlotFuture(slot.as_mut())
     }
@@ -456,7 +470,7 @@ impl<F: Future> Future for SlotFuture<'_, F> {
     }
 }
 
-/// A service's answer as a [`Reply`].
+/// A handler's answer as a [`Reply`].
 pub trait IntoReply {
     type Body;
     fn into_reply(self) -> Reply<Self::Body>;
@@ -1948,8 +1962,38 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_connection_keeps_its_future_slot_between_answers_of_known_length_only() {
+        // The server's tasks run on this test's thread: its count is theirs.
+        let made = || SLOTS_MADE.with(std::cell::Cell::get);
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let before = made();
+        let mut sock = connect(addr, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        let mut buf = Vec::new();
+        assert_eq!(response(&mut sock, &mut buf).await.1, "GET /a ");
+        sock.write_all(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(response(&mut sock, &mut buf).await.1, "GET /b ");
+        assert_eq!(made() - before, 1, "the second request reuses the first's");
+        sock.write_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        response(&mut sock, &mut buf).await;
+        sock.write_all(b"GET /c HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(response(&mut sock, &mut buf).await.1, "GET /c ");
+        assert_eq!(
+            made() - before,
+            2,
+            "let go of for the stream, made again after it"
+        );
+    }
+
+    #[tokio::test]
     async fn a_connection_future_is_small() {
-        // What each open connection holds for as long as it is open, beside its buffers.
+        // What each open connection holds for as long as it is open, beside its buffers
+        // (and, between answers of known length, its request future's slot).
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let stream = TcpStream::connect(listener.local_addr().unwrap())
             .await

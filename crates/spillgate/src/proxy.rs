@@ -692,7 +692,8 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
 ///
 /// Not an `async fn`: one would hold the request twice (its argument, and the copy its
 /// body moves it into) besides its parts, and each byte of the future is copied as it
-/// is boxed; the `async` block holds the parts only.
+/// is written into the connection's slot for it; the `async` block holds the parts
+/// only.
 pub fn handle(
     app: Arc<App>,
     req: front::Request<Body>,

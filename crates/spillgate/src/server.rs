@@ -25,7 +25,8 @@ use tokio::sync::{watch, Semaphore};
 use crate::app::App;
 use crate::front::{Reply, Request};
 
-/// The public listener's service: `/healthz` and `/readyz` through a small axum router,
+/// What the public listener serves (through [`Gateway::handle`]; tests, benches and the
+/// simulator call it as a `tower::Service`): `/healthz` and `/readyz` through a small axum router,
 /// every other path straight to the proxy (a router, a middleware and an extractor per
 /// request were a tenth of the gateway's instructions per proxied request), both behind
 /// [`serve`]'s request id and accounting.
@@ -132,7 +133,8 @@ fn new_request_id() -> http::HeaderValue {
 /// `x-request-id`. `probes` serves `/healthz` and `/readyz` (not counted); the proxy
 /// serves (and counts) the rest. Not an `async fn`: one would hold the request twice
 /// (its argument, and the copy its body moves it into) beside the proxy's future that
-/// takes it, and each byte of the future is copied as it is boxed.
+/// takes it, and each byte of the future is copied as it is written into the
+/// connection's slot for it (see [`crate::front::serve`]).
 fn serve(
     app: Arc<App>,
     probes: Option<Router>,
