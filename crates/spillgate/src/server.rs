@@ -26,10 +26,10 @@ use crate::app::App;
 use crate::front::{Reply, Request};
 
 /// What the public listener serves (through [`Gateway::handle`]; tests, benches and the
-/// simulator call it as a `tower::Service`): `/healthz` and `/readyz` through a small axum router,
-/// every other path straight to the proxy (a router, a middleware and an extractor per
-/// request were a tenth of the gateway's instructions per proxied request), both behind
-/// [`serve`]'s request id and accounting.
+/// simulator call it as a `tower::Service`): `/healthz` and `/readyz` through a small
+/// axum router, every other path straight to the proxy (a router, a middleware and an
+/// extractor per request were a tenth of the gateway's instructions per proxied
+/// request), both behind [`serve`]'s request id and accounting.
 #[derive(Clone)]
 pub struct Gateway {
     app: Arc<App>,

@@ -418,8 +418,8 @@ impl Upstream for UpstreamClient {
 
 impl UpstreamClient {
     /// [`Upstream::relay`], its future not boxed: the proxy's attempt holds it (a box
-    /// an attempt was an allocation, its free and a copy of 640 bytes, about 250
-    /// instructions a request).
+    /// an attempt was an allocation, its free and a copy of 640 bytes: about 190
+    /// instructions a JSON request, callgrind).
     pub fn relay_inline<'a>(
         &'a self,
         req: UpstreamRequest<'a>,
