@@ -21,8 +21,8 @@
 # For spillgate it also gives the instructions its tasks ran per request (the runtime's
 # task polls and all they call): without the runtime's idle work (parking, the timer
 # wheel), which follows the run's wall time and is shared by however many requests the
-# run served, it repeats within about 0.1% where the whole count moved by 2%. Compare
-# builds by it.
+# run served, it repeated within 0.25% (one build's pair: 1.3%) where the whole count
+# moved by 2%. Compare builds by it, in two runs each.
 set -euo pipefail
 # Relative to where the script was called from, not to the repository it moves to.
 KEEP=${KEEP:+$(realpath -m "$KEEP")}

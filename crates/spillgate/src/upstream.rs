@@ -397,8 +397,9 @@ impl Upstream for UpstreamClient {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<http::Response<Body>, AttemptError>> {
         use futures_util::FutureExt;
+        // One box: `relay` would box the attempt's future once more inside this one.
         Box::pin(
-            self.relay(req, timeout)
+            self.relay_inline(req, timeout)
                 .map(|r| r.map(Upstreamed::into_http)),
         )
     }
