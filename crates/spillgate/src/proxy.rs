@@ -33,7 +33,7 @@ use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::coalesce::Joined;
 use crate::entra::{BearerToken, Refusal, TokenError};
 use crate::errors::GatewayError;
-use crate::front::{self, Reply};
+use crate::front::{self, Reply, ReplyBody};
 use crate::h1;
 use crate::metrics::{Label, Labels};
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
@@ -254,11 +254,46 @@ const FORWARD_DROPS: u128 = {
 /// JSON request, 8,000 with the OpenAI SDK's sixteen headers (callgrind).
 pub struct Forwarded {
     lines: h1::RawHeaders,
-    request_id: HeaderValue,
+    request_id: RequestId,
+}
+
+/// A request's id (see `server::serve`): the client's own, sharing its head's bytes, or
+/// sixteen hex digits of the gateway's, held inline. As a `HeaderValue` those digits
+/// took an allocation of their own, and its free, a request that came without an id.
+#[derive(Debug, Clone)]
+pub enum RequestId {
+    Client(HeaderValue),
+    Own([u8; 16]),
+}
+
+impl RequestId {
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            RequestId::Client(v) => v.as_bytes(),
+            RequestId::Own(digits) => digits,
+        }
+    }
+
+    /// As text, for the logs: a client's id is taken only when it is plain ASCII, and
+    /// the gateway's is hex digits, so the fallback is never taken.
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(self.as_bytes()).unwrap_or("-")
+    }
+
+    /// As a header value, for a header map (an error's answer, HTTP/2).
+    pub fn to_value(&self) -> HeaderValue {
+        match self {
+            RequestId::Client(v) => v.clone(),
+            // Hex digits, which a header value always takes: the fallback is never taken.
+            RequestId::Own(digits) => {
+                HeaderValue::from_bytes(digits).unwrap_or(HeaderValue::from_static("-"))
+            }
+        }
+    }
 }
 
 impl Forwarded {
-    pub fn new(lines: h1::RawHeaders, request_id: HeaderValue) -> Forwarded {
+    pub fn new(lines: h1::RawHeaders, request_id: RequestId) -> Forwarded {
         Forwarded { lines, request_id }
     }
 
@@ -290,7 +325,7 @@ impl Forwarded {
                 map.append(name, value);
             }
         });
-        map.insert(HEADER_REQUEST_ID, self.request_id.clone());
+        map.insert(HEADER_REQUEST_ID, self.request_id.to_value());
         map
     }
 
@@ -447,7 +482,7 @@ const RELAY_RULES: [Rule; h1::COMMON_NAME_TEXTS.len()] = {
 /// building one.
 pub struct Relay<B> {
     head: RelayHead,
-    body: B,
+    body: ReplyBody<B>,
 }
 
 /// A [`Relay`]'s status and what its head is written from.
@@ -460,20 +495,20 @@ pub struct RelayHead {
     backend: HeaderValue,
     attempts: HeaderValue,
     model: Option<HeaderValue>,
-    request_id: Option<HeaderValue>,
+    request_id: Option<RequestId>,
 }
 
 impl<B> Relay<B> {
     /// The gateway's id for the request, sent back in `x-request-id`.
-    pub fn set_request_id(&mut self, id: HeaderValue) {
+    pub fn set_request_id(&mut self, id: RequestId) {
         self.head.request_id = Some(id);
     }
 
-    pub fn body(&self) -> &B {
+    pub fn body(&self) -> &ReplyBody<B> {
         &self.body
     }
 
-    pub fn into_parts(self) -> (RelayHead, B) {
+    pub fn into_parts(self) -> (RelayHead, ReplyBody<B>) {
         (self.head, self.body)
     }
 }
@@ -527,14 +562,20 @@ impl RelayHead {
             f(name, value);
         }
         let own = [
-            (&HEADER_BACKEND, Some(&self.backend)),
-            (&HEADER_ATTEMPTS, Some(&self.attempts)),
-            (&HEADER_MODEL, self.model.as_ref()),
-            (&HEADER_REQUEST_ID, self.request_id.as_ref()),
+            (&HEADER_BACKEND, Some(self.backend.as_bytes())),
+            (&HEADER_ATTEMPTS, Some(self.attempts.as_bytes())),
+            (
+                &HEADER_MODEL,
+                self.model.as_ref().map(HeaderValue::as_bytes),
+            ),
+            (
+                &HEADER_REQUEST_ID,
+                self.request_id.as_ref().map(RequestId::as_bytes),
+            ),
         ];
         for (name, value) in own {
             if let Some(v) = value {
-                f(name.as_str().as_bytes(), v.as_bytes());
+                f(name.as_str().as_bytes(), v);
             }
         }
         dated
@@ -555,7 +596,7 @@ pub(crate) fn test_relay<B>(lines: &[u8], length: Option<u64>, body: B) -> Relay
             model: None,
             request_id: None,
         },
-        body,
+        body: ReplyBody::Stream(body),
     }
 }
 
@@ -697,7 +738,7 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
 pub fn handle(
     app: Arc<App>,
     req: front::Request<Body>,
-    request_id: HeaderValue,
+    request_id: RequestId,
 ) -> impl Future<Output = Reply<Body>> + Send {
     let front::Request {
         method,
@@ -2394,7 +2435,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
             let body = match taken {
                 Taken::Whole(bytes) => {
                     on_usage(crate::priority::whole_json_usage(json_body, &bytes));
-                    Body::from(bytes)
+                    ReplyBody::Whole(bytes)
                 }
                 Taken::Partial(body) => {
                     // The layers nest directly, boxed once at the top: each `Body::new`
@@ -2403,7 +2444,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                     let body = crate::coalesce::Coalesce::new(crate::priority::UsageTap::new(
                         body, sse, json_body, strip, on_usage,
                     ));
-                    Body::new(crate::idle::IdleTimeout::new(idle, body))
+                    ReplyBody::Stream(Body::new(crate::idle::IdleTimeout::new(idle, body)))
                 }
             };
             match headers {
@@ -2429,7 +2470,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                     if let Some(v) = model_value {
                         headers.insert(HEADER_MODEL, v);
                     }
-                    let mut resp = Response::new(body);
+                    let mut resp = Response::new(body.into_body());
                     *resp.status_mut() = status;
                     *resp.headers_mut() = headers;
                     Reply::Response(resp)
@@ -2596,6 +2637,39 @@ fn exhausted_error(ctx: &Ctx<'_>, failures: &[Outcome], now_ms: u64) -> GatewayE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The gateway's own id is written as its digits wherever it goes: upstream, in a
+    /// relayed answer's lines, as a header value and in the logs.
+    #[test]
+    fn a_request_id_of_the_gateways_reads_the_same_every_way() {
+        let own = RequestId::Own(*b"0123456789abcdef");
+        assert_eq!(own.as_bytes(), b"0123456789abcdef");
+        assert_eq!(own.as_str(), "0123456789abcdef");
+        assert_eq!(own.to_value(), "0123456789abcdef");
+        let client = RequestId::Client(HeaderValue::from_static("client-1"));
+        assert_eq!(client.as_str(), "client-1");
+        assert_eq!(client.to_value(), "client-1");
+        let forwarded = Forwarded::new(h1::raw_headers(b"Host: x\r\n\r\n"), own.clone());
+        let mut sent = Vec::new();
+        forwarded.each_header(None, &mut |n, v| sent.push((n.to_vec(), v.to_vec())));
+        assert!(
+            sent.contains(&(b"x-request-id".to_vec(), b"0123456789abcdef".to_vec())),
+            "{sent:?}"
+        );
+        assert_eq!(
+            forwarded.to_map(None)[HEADER_REQUEST_ID],
+            "0123456789abcdef"
+        );
+        let mut relay = test_relay(b"Content-Length: 0\r\n\r\n", Some(0), ());
+        relay.set_request_id(own);
+        let mut lines = Vec::new();
+        relay.head.write_headers(&mut lines);
+        let lines = String::from_utf8(lines).unwrap();
+        assert!(
+            lines.contains("x-request-id: 0123456789abcdef\r\n"),
+            "{lines}"
+        );
+    }
 
     fn body_of(pieces: &[&'static str]) -> Body {
         let frames: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = pieces
@@ -2777,7 +2851,7 @@ mod tests {
             backend: own[0].1.clone(),
             attempts: own[1].1.clone(),
             model: model.then(|| own[2].1.clone()),
-            request_id: Some(own[3].1.clone()),
+            request_id: Some(RequestId::Client(own[3].1.clone())),
         };
         let mut relayed = Vec::new();
         relay.each_header(|n, v| {
@@ -2964,7 +3038,10 @@ mod tests {
     /// The headers `lines` (a request head without its start line) sends upstream with
     /// the request id `req-1` and no credential, names in lower case.
     fn forwarded(lines: &[u8]) -> Vec<(String, String)> {
-        let forwarded = Forwarded::new(h1::raw_headers(lines), HeaderValue::from_static("req-1"));
+        let forwarded = Forwarded::new(
+            h1::raw_headers(lines),
+            RequestId::Client(HeaderValue::from_static("req-1")),
+        );
         let mut sent = Vec::new();
         forwarded.each_header(None, &mut |n, v| {
             sent.push((
@@ -2978,7 +3055,10 @@ mod tests {
     /// The headers of `lines` in the map an HTTP/2 upstream gets, as [`forwarded`] gives
     /// them.
     fn forwarded_map(lines: &[u8]) -> Vec<(String, String)> {
-        let forwarded = Forwarded::new(h1::raw_headers(lines), HeaderValue::from_static("req-1"));
+        let forwarded = Forwarded::new(
+            h1::raw_headers(lines),
+            RequestId::Client(HeaderValue::from_static("req-1")),
+        );
         forwarded
             .to_map(None)
             .iter()

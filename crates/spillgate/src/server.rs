@@ -24,6 +24,7 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::app::App;
 use crate::front::{Reply, Request};
+use crate::proxy::RequestId;
 
 /// What the public listener serves (through [`Gateway::handle`]; tests, benches and the
 /// simulator call it as a `tower::Service`): `/healthz` and `/readyz` through a small
@@ -110,10 +111,9 @@ fn sane_request_id(b: &[u8]) -> bool {
 }
 
 /// A new request id: 16 random hex digits, written without a formatter (every request
-/// without an id of its own takes one). Always a valid header value. Its bytes are
-/// owned by one shared allocation, so the clones the request and its response take
-/// allocate nothing more.
-fn new_request_id() -> http::HeaderValue {
+/// without an id of its own takes one). Always a valid header value; held inline, so
+/// the copies the request and its response take allocate nothing.
+fn new_request_id() -> RequestId {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let id = fastrand::u64(..);
     let mut n = id;
@@ -122,10 +122,7 @@ fn new_request_id() -> http::HeaderValue {
         *d = HEX[(n & 15) as usize];
         n >>= 4;
     }
-    // Hex digits are visible ASCII, which a header value always accepts: the decimal
-    // form (infallible) only makes the function total.
-    http::HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(digits))
-        .unwrap_or_else(|_| http::HeaderValue::from(id))
+    RequestId::Own(digits)
 }
 
 /// Gives every request an id (the client's `x-request-id` when present and sane, else a
@@ -148,19 +145,17 @@ fn serve(
         .value(&REQUEST_ID)
         .filter(|v| sane_request_id(v.as_bytes()))
     {
-        Some(v) => v,
+        Some(v) => RequestId::Client(v),
         None => new_request_id(),
     };
-    // A sane id is ASCII: the fallback is never taken.
-    let id = header.to_str().unwrap_or("-");
-    let span = tracing::info_span!("req", request_id = %id);
+    let span = tracing::info_span!("req", request_id = %header.as_str());
     let Some(probes) = probes else {
         let proxied = crate::proxy::handle(app, req, header.clone()).instrument(span);
         return Either::Left(proxied.map(move |mut reply| {
             match &mut reply {
                 Reply::Response(resp) => {
                     resp.headers_mut()
-                        .insert(crate::proxy::HEADER_REQUEST_ID, header);
+                        .insert(crate::proxy::HEADER_REQUEST_ID, header.to_value());
                 }
                 Reply::Relay(relay) => relay.set_request_id(header),
             }
@@ -170,7 +165,7 @@ fn serve(
     Either::Right(async move {
         let Ok(mut resp) = probes.oneshot(req.into_http()).instrument(span).await;
         resp.headers_mut()
-            .insert(crate::proxy::HEADER_REQUEST_ID, header);
+            .insert(crate::proxy::HEADER_REQUEST_ID, header.to_value());
         Reply::Response(resp)
     })
 }

@@ -1263,7 +1263,10 @@ mod tests {
         let lines = h1::raw_headers(
             b"X-Backend-Key: client\r\nAccept: a\r\nUser-Agent: u\r\nx-backend-key: c2\r\n\r\n",
         );
-        let forwarded = Forwarded::new(lines, HeaderValue::from_static("r1"));
+        let forwarded = Forwarded::new(
+            lines,
+            crate::proxy::RequestId::Client(HeaderValue::from_static("r1")),
+        );
         let mut key = HeaderValue::from_static("backend");
         key.set_sensitive(true);
         for (name, left) in [
