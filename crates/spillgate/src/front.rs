@@ -384,8 +384,8 @@ pub enum Reply<B> {
 
 /// A relayed answer's body: bytes the gateway already holds whole (nearly every answer
 /// that is not a stream), or a body that streams. Not boxed as a `Body`: for a whole
-/// answer, that was one allocation and a dynamic call (through an error conversion) for
-/// each poll, about 300 instructions of a JSON request (callgrind).
+/// answer, that was one allocation and its free, and a dynamic call (through an error
+/// conversion) for each poll.
 pub enum ReplyBody<B> {
     /// Given once; empty afterwards.
     Whole(Bytes),
