@@ -1705,10 +1705,16 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             },
         };
         if attempts == 0 {
-            // The budget counts requests that reach a backend. Read afresh: choosing a
-            // backend or waiting for a token may have taken time since `now`.
+            // The budget counts requests that reach a backend, in one-second slots. A
+            // wait for a token may have taken seconds since `now`: then the clock is read
+            // afresh. Choosing a backend takes at most a store round trip (milliseconds).
+            let at = if token.is_some() {
+                app.clock.now_ms()
+            } else {
+                now
+            };
             if let Ok(mut b) = snap.routes[ctx.route_id].budget.lock() {
-                b.deposit(app.clock.now_ms());
+                b.deposit(at);
             }
         }
         attempts += 1;
@@ -2329,7 +2335,8 @@ fn record_attempt(ctx: &Ctx<'_>, id: usize, attempt: AttemptResult) {
 }
 
 fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply<Body> {
-    let elapsed = ctx.started.elapsed();
+    let finished_at = tokio::time::Instant::now();
+    let elapsed = finished_at.saturating_duration_since(ctx.started);
     let elapsed_ms = elapsed.as_secs_f64() * 1000.0;
     let snap = ctx.snap;
     let req = ctx.req;
@@ -2411,16 +2418,15 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                 Counter::clone,
             );
             let app_end = Arc::clone(app);
-            let on_usage = move |used: Option<u64>| {
-                // One reading of the clock for both.
-                let end = tokio::time::Instant::now();
+            // One reading of the clock for all: the body's end, and its duration.
+            let settle = move |used: Option<u64>, end: tokio::time::Instant, took: Duration| {
                 if let Some(r) = reservation {
                     r.settle(used, app_end.clock.ms_at(end));
                 }
                 if let Some(u) = used {
                     tokens.inc_by(u);
                 }
-                duration.observe(end.saturating_duration_since(started).as_secs_f64());
+                duration.observe(took.as_secs_f64());
             };
             // A body that came whole with its head (nearly every non-streamed answer) is
             // read and settled now; a stream is not looked at before the client gets it.
@@ -2433,11 +2439,17 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                 take_whole(body)
             };
             let body = match taken {
+                // Read whole now: it ends when the answer does.
                 Taken::Whole(bytes) => {
-                    on_usage(crate::priority::whole_json_usage(json_body, &bytes));
+                    let used = crate::priority::whole_json_usage(json_body, &bytes);
+                    settle(used, finished_at, elapsed);
                     ReplyBody::Whole(bytes)
                 }
                 Taken::Partial(body) => {
+                    let on_usage = move |used: Option<u64>| {
+                        let end = tokio::time::Instant::now();
+                        settle(used, end, end.saturating_duration_since(started));
+                    };
                     // The layers nest directly, boxed once at the top: each `Body::new`
                     // between them added a dynamic call and an error conversion to every
                     // poll of a chunk.

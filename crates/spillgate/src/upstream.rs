@@ -429,9 +429,16 @@ impl UpstreamClient {
         // Read on the calling thread: the slot says which thread's pool to use.
         let slot = POOL_SLOT.with(std::cell::Cell::get) % MAX_POOLS;
         async move {
-            match tokio::time::timeout(timeout, self.0.request(slot, &req)).await {
-                Err(_) => Err(AttemptError::FirstByteTimeout(timeout)),
-                Ok(r) => r,
+            // One reading of the clock for the timeout and the pool's idle check.
+            let now = Instant::now();
+            let answer = self.0.request(slot, &req, now);
+            match now.checked_add(timeout) {
+                Some(at) => match tokio::time::timeout_at(at, answer).await {
+                    Err(_) => Err(AttemptError::FirstByteTimeout(timeout)),
+                    Ok(r) => r,
+                },
+                // Past any instant the clock can hold: no timeout.
+                None => answer.await,
             }
         }
     }
@@ -467,13 +474,14 @@ impl Inner {
         &self,
         slot: usize,
         req: &UpstreamRequest<'_>,
+        now: Instant,
     ) -> Result<Upstreamed, AttemptError> {
         let origin = Origin {
             scheme: req.scheme.clone(),
             authority: req.authority.clone(),
         };
         let pool = &self.pools[slot];
-        let (conn, reused) = self.conn_for(pool, &origin).await?;
+        let (conn, reused) = self.conn_for(pool, &origin, now).await?;
         {
             let sent = send_on(conn, req, pool, &origin).await;
             // A pooled connection the backend closed (or sent GOAWAY on) just as it was
@@ -487,13 +495,15 @@ impl Inner {
         Ok(send_on(conn, req, pool, &origin).await?)
     }
 
-    /// A connection to `origin`: a pooled one (then `true`), else a new one.
+    /// A connection to `origin`: a pooled one (then `true`), else a new one. `now` is
+    /// when the request began, for the pooled connections' idle time.
     async fn conn_for(
         &self,
         pool: &SharedPool,
         origin: &Origin,
+        now: Instant,
     ) -> Result<(Conn<H1, H2>, bool), AttemptError> {
-        let pooled = lock(pool).take(origin, Instant::now());
+        let pooled = lock(pool).take(origin, now);
         Ok(match pooled {
             Some(c) => (c, true),
             // Boxed: the connect future is kilobytes; inline, it would make every
