@@ -57,8 +57,9 @@ const MAX_TRACKED_DEPLOYMENTS: usize = 256;
 /// Live state per deployment name of one backend.
 #[derive(Debug, Default)]
 pub struct DeploymentStates {
-    /// Looked up once per attempt by the deployment's name, which may be the model a
-    /// client named: hashed by foldhash, seeded per process. With the standard library's
+    /// Looked up by the deployment's name for each candidate a request's backend choice
+    /// considers, and for its attempts; the name may be the model a client named: hashed
+    /// by foldhash, seeded per process. With the standard library's
     /// SipHash the lookup was about 270 instructions of a JSON request, 166 of them
     /// hashing (callgrind).
     by_name: RwLock<HashMap<String, Arc<BackendState>, foldhash::fast::RandomState>>,

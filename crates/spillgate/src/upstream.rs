@@ -1492,26 +1492,47 @@ mod tests {
         assert_eq!(taken_h1(pool.take(&origin(2), now)), None);
     }
 
-    /// A POST to `/v1/chat/completions` at `port` through `relay_inline`, with `timeout`
-    /// for its first byte.
+    /// What a test's request to a loopback backend at a port borrows: a POST to
+    /// `/v1/chat/completions`, with no headers.
+    struct ChatTo {
+        method: Method,
+        scheme: Scheme,
+        authority: Authority,
+        headers: HeaderMap,
+    }
+
+    impl ChatTo {
+        fn port(port: u16) -> ChatTo {
+            ChatTo {
+                method: Method::POST,
+                scheme: Scheme::HTTP,
+                authority: format!("127.0.0.1:{port}").parse().unwrap(),
+                headers: HeaderMap::new(),
+            }
+        }
+
+        fn request(&self) -> UpstreamRequest<'_> {
+            UpstreamRequest::new(
+                &self.method,
+                (&self.scheme, &self.authority),
+                "/v1/chat/completions",
+                SharedHeaders::Map(&self.headers),
+                None,
+                Bytes::from_static(b"{}"),
+            )
+            .unwrap()
+        }
+    }
+
+    /// The request of [`ChatTo`] through `relay_inline`, with `timeout` for its first
+    /// byte.
     async fn relayed(
         c: &UpstreamClient,
         port: u16,
         timeout: Duration,
     ) -> Result<Upstreamed, AttemptError> {
-        let (method, scheme) = (Method::POST, Scheme::HTTP);
-        let authority: Authority = format!("127.0.0.1:{port}").parse().unwrap();
-        let headers = HeaderMap::new();
-        let req = UpstreamRequest::new(
-            &method,
-            (&scheme, &authority),
-            "/v1/chat/completions",
-            SharedHeaders::Map(&headers),
-            None,
-            Bytes::from_static(b"{}"),
-        )
-        .unwrap();
-        c.relay_inline(req, timeout).await
+        let to = ChatTo::port(port);
+        c.relay_inline(to.request(), timeout).await
     }
 
     #[tokio::test]
@@ -1546,19 +1567,8 @@ mod tests {
         // client): glibc's per-thread cache serves up to 1,032 bytes, and a larger box
         // took the allocator's slow path (640 bytes in a release build).
         let c = client();
-        let (method, scheme) = (Method::POST, Scheme::HTTP);
-        let authority: Authority = "127.0.0.1:9".parse().unwrap();
-        let headers = HeaderMap::new();
-        let req = UpstreamRequest::new(
-            &method,
-            (&scheme, &authority),
-            "/v1/chat/completions",
-            SharedHeaders::Map(&headers),
-            None,
-            Bytes::new(),
-        )
-        .unwrap();
-        let future = c.relay_inline(req, LONG);
+        let to = ChatTo::port(9);
+        let future = c.relay_inline(to.request(), LONG);
         let n = std::mem::size_of_val(&future);
         eprintln!("upstream attempt future: {n} bytes");
         assert!(n <= 1032, "{n}");
