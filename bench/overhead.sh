@@ -269,25 +269,31 @@ TTFB_PASSES=${TTFB_PASSES:-3}; TTFB_N=${TTFB_N:-100}; STREAMS=5000; SCHUNKS=20; 
 if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
 
 # One stream at a time, chunks 10 ms apart: what a proxy adds before the first event.
-# TTFB_PASSES passes of TTFB_N streams against each target in turn (each target going
-# first once); what a proxy adds is its p50 (p99) less direct's in the same pass, and
-# the table gives the median over the passes, with their range.
+# TTFB_PASSES passes of TTFB_N rounds; a round is one stream to each target, the targets
+# taking turns to go first (bench/streams.py), so that each meets the same moments of a
+# shared machine. What a proxy adds is the median over a pass's rounds of its time less
+# direct's in the same round (its p99 less direct's, for p99); the table gives the median
+# over the passes, with their range.
 start_mock 0 10 10; mport=$PORT; wait_port "$mport"
 start_nginx "$mport"; nport=$PORT; wait_port "$nport"
 start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
 echo
-echo "| stream, chunks 10 ms apart, one at a time ($TTFB_CLIENT) | streams | complete | first event p50 ms | p99 ms | p50 added ms | p99 added ms |"
+echo "| stream, chunks 10 ms apart, one at a time, targets in turns ($TTFB_CLIENT) | streams | complete | first event p50 ms | p99 ms | p50 added ms | p99 added ms |"
 echo "|---|---:|---:|---:|---:|---:|---:|"
 declare -A T=()
 targets=(direct nginx spillgate)
-for r in $(seq 1 "$TTFB_PASSES"); do
+urls=""
+for port in "$mport" "$nport" "$sport"; do
+    urls+="${urls:+,}http://127.0.0.1:$port/v1/chat/completions"
+done
+for _ in $(seq 1 "$TTFB_PASSES"); do
+    res=$(python3 bench/streams.py "$TTFB_CLIENT" "$urls" "$TTFB_N")
     for i in 0 1 2; do
-        target=${targets[$(( (i + r - 1) % 3 ))]}
-        case $target in
-            direct) port=$mport ;; nginx) port=$nport ;; spillgate) port=$sport ;;
-        esac
-        res=$(python3 bench/streams.py "$TTFB_CLIENT" "http://127.0.0.1:$port/v1/chat/completions" "$TTFB_N")
-        read -r n complete p50 p99 <<<"$(json_fields n complete p50_ms p99_ms <<<"$res")"
+        target=${targets[$i]}
+        read -r n complete p50 p99 a50 a99 <<<"$(python3 -c '
+import json, sys
+r = json.load(sys.stdin)[int(sys.argv[1])]
+print(*(r.get(k, 0) for k in ("n", "complete", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms")))' "$i" <<<"$res")"
         if [[ $complete -le 0 ]]; then
             echo "overhead.sh: no stream through $target completed" >&2
             exit 1
@@ -295,12 +301,12 @@ for r in $(seq 1 "$TTFB_PASSES"); do
         check_errors "$((n - complete))" "$target first-event streams"
         T[$target.n]=$(( ${T[$target.n]:-0} + n )); T[$target.complete]=$(( ${T[$target.complete]:-0} + complete ))
         T[$target.p50]="${T[$target.p50]:-} $p50"; T[$target.p99]="${T[$target.p99]:-} $p99"
+        T[$target.a50]="${T[$target.a50]:-} $a50"; T[$target.a99]="${T[$target.a99]:-} $a99"
     done
 done
 for target in "${targets[@]}"; do
     read -r -a p50 <<<"${T[$target.p50]}"; read -r -a p99 <<<"${T[$target.p99]}"
-    read -r -a a50 <<<"$(over "${T[$target.p50]}" "${T[direct.p50]}")"
-    read -r -a a99 <<<"$(over "${T[$target.p99]}" "${T[direct.p99]}")"
+    read -r -a a50 <<<"${T[$target.a50]}"; read -r -a a99 <<<"${T[$target.a99]}"
     echo "| $target | ${T[$target.n]} | ${T[$target.complete]} | $(median_range %.3f "${p50[@]}") | $(median_range %.3f "${p99[@]}") | $(median_range %.3f "${a50[@]}") | $(median_range %.3f "${a99[@]}") |"
 done
 unset T

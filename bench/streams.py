@@ -2,15 +2,24 @@
 """SSE stream load for bench/overhead.sh (standard library only, loopback only).
 
   streams.py concurrent URL N   open N streams at once; report how many completed
-  streams.py ttfb URL N         N streams one after the other; time to first event
-  streams.py ttfb-blocking URL N
+  streams.py ttfb URL[,URL...] N
+                                N streams one after the other to each URL; time to first event
+  streams.py ttfb-blocking URL[,URL...] N
                                 the same with a blocking socket, a new connection each
-  streams.py ttfb-kept URL N    the same with a blocking socket, one kept-alive connection
+  streams.py ttfb-kept URL[,URL...] N
+                                the same with a blocking socket, one kept-alive connection
+                                per URL
 
 Each stream is one POST, read to the end; `Connection: close` except in ttfb-kept. A
 stream counts as complete when its status is 200 and its body ends with `data: [DONE]`
 (and the chunked body's last chunk, when chunked). The blocking modes take the event loop
 out of what is timed. Output is one line of JSON.
+
+With several URLs, the ttfb modes take them in turns, one stream each (a round), the
+round's order rotating, so that every target meets the same moments of a shared, noisy
+machine; output is then a list, one result per URL, each but the first with what it
+added to the first URL's time: `added_p50_ms`, the median over the rounds of its time
+less the first URL's in the same round, and `added_p99_ms`, its p99 less the first's.
 """
 
 import asyncio
@@ -120,14 +129,40 @@ async def concurrent(url, n):
     return state
 
 
-async def ttfb(url, n):
+def turns(n, k):
+    """`n` rounds of one stream to each of `k` targets, the round's order rotating: the
+    (round, target) pairs in the order the streams run."""
+    return [(r, (r + j) % k) for r in range(n) for j in range(k)]
+
+
+def summarise(rounds, complete, n):
+    """Each target's result as `percentiles` gives it, from `rounds` (one row of times in
+    ms or None per round, a column per target) and `complete` (a count per target); for
+    each but the first, what it added to the first's time (see the module's doc)."""
+    results = []
+    for i in range(len(complete)):
+        res = percentiles([row[i] for row in rounds if row[i] is not None], n, complete[i])
+        if i > 0:
+            diffs = sorted(row[i] - row[0] for row in rounds if None not in (row[i], row[0]))
+            res["added_p50_ms"] = round(diffs[(len(diffs) - 1) // 2], 3) if diffs else None
+            first = results[0]["p99_ms"]
+            res["added_p99_ms"] = (
+                None if None in (first, res["p99_ms"]) else round(res["p99_ms"] - first, 3)
+            )
+        results.append(res)
+    return results
+
+
+async def ttfb(urls, n):
     state = dict(open=0, peak_open=0, complete=0, incomplete=0, connect_errors=0)
-    times = []
-    for _ in range(n):
-        t = await one_stream(url, state, 30)
-        if t is not None:
-            times.append(t * 1000)
-    return percentiles(times, n, state["complete"])
+    rounds = [[None] * len(urls) for _ in range(n)]
+    complete = [0] * len(urls)
+    for r, i in turns(n, len(urls)):
+        before = state["complete"]
+        t = await one_stream(urls[i], state, 30)
+        rounds[r][i] = None if t is None else t * 1000
+        complete[i] += state["complete"] - before
+    return summarise(rounds, complete, n)
 
 
 def blocking_stream(sock, req, kept):
@@ -151,26 +186,29 @@ def blocking_stream(sock, req, kept):
     return ttfb, completed(data)
 
 
-def ttfb_blocking(url, n, kept):
-    host, port, req = request_bytes(url, "keep-alive" if kept else "close")
-    times, complete, sock = [], 0, None
-    for _ in range(n):
+def ttfb_blocking(urls, n, kept):
+    reqs = [request_bytes(url, "keep-alive" if kept else "close") for url in urls]
+    socks = [None] * len(urls)
+    rounds = [[None] * len(urls) for _ in range(n)]
+    complete = [0] * len(urls)
+    for r, i in turns(n, len(urls)):
+        host, port, req = reqs[i]
         try:
-            if sock is None:
-                sock = socket.create_connection((host, port), timeout=30)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t, ok = blocking_stream(sock, req, kept)
+            if socks[i] is None:
+                socks[i] = socket.create_connection((host, port), timeout=30)
+                socks[i].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t, ok = blocking_stream(socks[i], req, kept)
         except OSError:
             t, ok = None, False
-        if t is not None:
-            times.append(t * 1000)
-        complete += ok
-        if not (kept and ok) and sock is not None:
+        rounds[r][i] = None if t is None else t * 1000
+        complete[i] += ok
+        if not (kept and ok) and socks[i] is not None:
+            socks[i].close()
+            socks[i] = None
+    for sock in socks:
+        if sock is not None:
             sock.close()
-            sock = None
-    if sock is not None:
-        sock.close()
-    return percentiles(times, n, complete)
+    return summarise(rounds, complete, n)
 
 
 def main():
@@ -180,12 +218,18 @@ def main():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     mode, url, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    if mode.startswith("ttfb-"):
-        result = ttfb_blocking(url, n, kept=mode == "ttfb-kept")
-    elif mode == "concurrent":
+    urls = url.split(",")
+    if mode == "concurrent":
+        if len(urls) != 1:
+            sys.exit("streams.py: concurrent takes one URL")
         result = asyncio.run(concurrent(url, n))
     else:
-        result = asyncio.run(ttfb(url, n))
+        if mode.startswith("ttfb-"):
+            result = ttfb_blocking(urls, n, kept=mode == "ttfb-kept")
+        else:
+            result = asyncio.run(ttfb(urls, n))
+        if len(urls) == 1:
+            result = result[0]
     print(json.dumps(result))
 
 
