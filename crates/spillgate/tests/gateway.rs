@@ -1156,6 +1156,53 @@ async fn connections_beyond_the_limit_wait_for_a_free_slot() {
     assert_eq!(env.hits(), vec![2]);
 }
 
+/// A gateway told to stop while a connection it accepted waits for a free slot stops:
+/// the waiting connection is closed unanswered, the one holding the slot is closed once
+/// idle, and the backend sees no request for the one that waited.
+#[tokio::test]
+async fn a_stop_while_a_connection_waits_for_a_slot_drains() {
+    let env = Env::start_with_server(vec![b("p1", 1)], "max_connections = 1").await;
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\napi-key: {CLIENT_KEY}\r\ncontent-length: {}\r\n\r\n{CHAT}",
+        CHAT.len()
+    );
+    let send = |addr| {
+        let request = request.clone();
+        async move {
+            let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+            tokio::io::AsyncWriteExt::write_all(&mut sock, request.as_bytes())
+                .await
+                .unwrap();
+            sock
+        }
+    };
+    let mut a = send(env.gw.addr).await;
+    let mut buf = vec![0u8; 8192];
+    let n = tokio::io::AsyncReadExt::read(&mut a, &mut buf)
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let mut waiting = send(env.gw.addr).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let Env { mocks, gw, .. } = env;
+    tokio::time::timeout(Duration::from_secs(10), gw.shutdown())
+        .await
+        .expect("the stop did not wait for the connection without a slot");
+    let n = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read(&mut waiting, &mut buf),
+    )
+    .await
+    .expect("the waiting connection was left open")
+    .unwrap_or(0);
+    assert_eq!(n, 0, "{}", String::from_utf8_lossy(&buf[..n]));
+    let n = tokio::io::AsyncReadExt::read(&mut a, &mut buf)
+        .await
+        .unwrap_or(0);
+    assert_eq!(n, 0, "the idle connection was not closed");
+    assert_eq!(mocks[0].hits(), 1);
+}
+
 // ---------------------------------------------------------------------------------------
 // Request priority over real HTTP
 // ---------------------------------------------------------------------------------------
