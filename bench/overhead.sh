@@ -269,11 +269,11 @@ TTFB_PASSES=${TTFB_PASSES:-3}; TTFB_N=${TTFB_N:-100}; STREAMS=5000; SCHUNKS=20; 
 if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
 
 # One stream at a time, chunks 10 ms apart: what a proxy adds before the first event.
-# TTFB_PASSES passes of TTFB_N rounds; a round is one stream to each target, the targets
-# taking turns to go first (bench/streams.py), so that each meets the same moments of a
-# shared machine. What a proxy adds is the median over a pass's rounds of its time less
-# direct's in the same round (its p99 less direct's, for p99); the table gives the median
-# over the passes, with their range.
+# TTFB_PASSES passes of TTFB_N rounds; a round is one stream to each target, in an order
+# shuffled each round (bench/streams.py), so that each meets the same moments of a shared
+# machine and follows each other as often. What a proxy adds is the median over a pass's
+# rounds of its time less direct's in the same round (its p99 less direct's, for p99);
+# the table gives the median over the passes, with their range.
 start_mock 0 10 10; mport=$PORT; wait_port "$mport"
 start_nginx "$mport"; nport=$PORT; wait_port "$nport"
 start_spillgate "$mport"; sport=$PORT; wait_port "$sport"

@@ -15,8 +15,8 @@ stream counts as complete when its status is 200 and its body ends with `data: [
 (and the chunked body's last chunk, when chunked). The blocking modes take the event loop
 out of what is timed. Output is one line of JSON.
 
-With several URLs, the ttfb modes take them in turns, one stream each (a round), the
-round's order rotating, so that every target meets the same moments of a shared, noisy
+With several URLs, the ttfb modes take them in turns, one stream each (a round), each
+round's order shuffled, so that every target meets the same moments of a shared, noisy
 machine; output is then a list, one result per URL, each but the first with what it
 added to the first URL's time: `added_p50_ms`, the median over the rounds of its time
 less the first URL's in the same round, and `added_p99_ms`, its p99 less the first's.
@@ -25,6 +25,7 @@ less the first URL's in the same round, and `added_p99_ms`, its p99 less the fir
 import asyncio
 import json
 import math
+import random
 import resource
 import socket
 import sys
@@ -130,9 +131,19 @@ async def concurrent(url, n):
 
 
 def turns(n, k):
-    """`n` rounds of one stream to each of `k` targets, the round's order rotating: the
-    (round, target) pairs in the order the streams run."""
-    return [(r, (r + j) % k) for r in range(n) for j in range(k)]
+    """`n` rounds of one stream to each of `k` targets, each round in an order of its own
+    (shuffled, the same from run to run), so that each target follows each other as
+    often as it goes first: the (round, target) pairs in the order the streams run. A
+    stream's target still finishes its previous stream's work (closing the connection)
+    while the next one starts; a fixed rotation would always put the same target after
+    it."""
+    rng = random.Random(0)
+    order = []
+    for r in range(n):
+        targets = list(range(k))
+        rng.shuffle(targets)
+        order += [(r, i) for i in targets]
+    return order
 
 
 def summarise(rounds, complete, n):
