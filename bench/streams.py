@@ -132,11 +132,10 @@ async def concurrent(url, n):
 
 def turns(n, k):
     """`n` rounds of one stream to each of `k` targets, each round in an order of its own
-    (shuffled, the same from run to run), so that each target follows each other as
-    often as it goes first: the (round, target) pairs in the order the streams run. A
-    stream's target still finishes its previous stream's work (closing the connection)
-    while the next one starts; a fixed rotation would always put the same target after
-    it."""
+    (shuffled, the same from run to run): the (round, target) pairs in the order the
+    streams run. A target is still closing its stream's connection as the next stream
+    starts, so each target should follow each other about equally often; a fixed
+    rotation would put the same target after it every time."""
     rng = random.Random(0)
     order = []
     for r in range(n):

@@ -1113,13 +1113,18 @@ async fn a_client_that_trickles_its_body_gets_408() {
     assert_eq!(env.hits(), vec![0]);
 }
 
+/// A chat request as a client writes it on the wire, with the client key.
+fn raw_chat() -> String {
+    format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\napi-key: {CLIENT_KEY}\r\ncontent-length: {}\r\n\r\n{CHAT}",
+        CHAT.len()
+    )
+}
+
 #[tokio::test]
 async fn connections_beyond_the_limit_wait_for_a_free_slot() {
     let env = Env::start_with_server(vec![b("p1", 1)], "max_connections = 1").await;
-    let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\napi-key: {CLIENT_KEY}\r\ncontent-length: {}\r\n\r\n{CHAT}",
-        CHAT.len()
-    );
+    let request = raw_chat();
     let read_head = |mut sock: tokio::net::TcpStream| async move {
         let mut buf = vec![0u8; 8192];
         let n = tokio::io::AsyncReadExt::read(&mut sock, &mut buf)
@@ -1162,10 +1167,7 @@ async fn connections_beyond_the_limit_wait_for_a_free_slot() {
 #[tokio::test]
 async fn a_stop_while_a_connection_waits_for_a_slot_drains() {
     let env = Env::start_with_server(vec![b("p1", 1)], "max_connections = 1").await;
-    let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\napi-key: {CLIENT_KEY}\r\ncontent-length: {}\r\n\r\n{CHAT}",
-        CHAT.len()
-    );
+    let request = raw_chat();
     let send = |addr| {
         let request = request.clone();
         async move {
@@ -1187,7 +1189,7 @@ async fn a_stop_while_a_connection_waits_for_a_slot_drains() {
     let Env { mocks, gw, .. } = env;
     tokio::time::timeout(Duration::from_secs(10), gw.shutdown())
         .await
-        .expect("the stop did not wait for the connection without a slot");
+        .expect("the stop did not finish while a connection waited for a slot");
     let n = tokio::time::timeout(
         Duration::from_secs(5),
         tokio::io::AsyncReadExt::read(&mut waiting, &mut buf),
@@ -1196,10 +1198,14 @@ async fn a_stop_while_a_connection_waits_for_a_slot_drains() {
     .expect("the waiting connection was left open")
     .unwrap_or(0);
     assert_eq!(n, 0, "{}", String::from_utf8_lossy(&buf[..n]));
-    let n = tokio::io::AsyncReadExt::read(&mut a, &mut buf)
-        .await
-        .unwrap_or(0);
-    assert_eq!(n, 0, "the idle connection was not closed");
+    let n = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read(&mut a, &mut buf),
+    )
+    .await
+    .expect("the idle connection was left open")
+    .unwrap_or(0);
+    assert_eq!(n, 0, "{}", String::from_utf8_lossy(&buf[..n]));
     assert_eq!(mocks[0].hits(), 1);
 }
 
