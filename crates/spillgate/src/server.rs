@@ -409,12 +409,16 @@ impl Accept {
             let permit = match Arc::clone(&self.permits).try_acquire_owned() {
                 Ok(p) => p,
                 Err(TryAcquireError::Closed) => break,
+                // The stop first: a stop frees slots (idle connections close on it), so
+                // both are often ready at once, and the connection that waited is then
+                // closed unanswered rather than served by chance.
                 Err(TryAcquireError::NoPermits) => tokio::select! {
+                    biased;
+                    () = &mut stop => break,
                     p = Arc::clone(&self.permits).acquire_owned() => match p {
                         Ok(p) => p,
                         Err(_) => break,
                     },
-                    () = &mut stop => break,
                 },
             };
             let _ = stream.set_nodelay(true);
