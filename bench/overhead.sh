@@ -98,6 +98,10 @@ rss_of() { # pids
 json_fields() { # keys...
     python3 -c 'import json, sys; r = json.load(sys.stdin); print(*(r[k] for k in sys.argv[1:]))' "$@"
 }
+# Item <index> of the JSON list on stdin, as JSON (for json_fields).
+json_item() { # index
+    python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)[int(sys.argv[1])]))' "$1"
+}
 pid_on() { ss -ltnp "sport = :$1" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2; }
 
 # measure <url> <body> <connections> [pin] -> "rps p50 p99 p999 errors requests"
@@ -290,10 +294,8 @@ for _ in $(seq 1 "$TTFB_PASSES"); do
     res=$(python3 bench/streams.py "$TTFB_CLIENT" "$urls" "$TTFB_N")
     for i in 0 1 2; do
         target=${targets[$i]}
-        read -r n complete p50 p99 a50 a99 <<<"$(python3 -c '
-import json, sys
-r = json.load(sys.stdin)[int(sys.argv[1])]
-print(*(r.get(k, 0) for k in ("n", "complete", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms")))' "$i" <<<"$res")"
+        read -r n complete p50 p99 a50 a99 <<<"$(json_item "$i" <<<"$res" |
+            json_fields n complete p50_ms p99_ms added_p50_ms added_p99_ms)"
         if [[ $complete -le 0 ]]; then
             echo "overhead.sh: no stream through $target completed" >&2
             exit 1

@@ -17,9 +17,10 @@ out of what is timed. Output is one line of JSON.
 
 With several URLs, the ttfb modes take them in turns, one stream each (a round), each
 round's order shuffled, so that every target meets the same moments of a shared, noisy
-machine; output is then a list, one result per URL, each but the first with what it
-added to the first URL's time: `added_p50_ms`, the median over the rounds of its time
-less the first URL's in the same round, and `added_p99_ms`, its p99 less the first's.
+machine; output is then a list, one result per URL, each with what it added to the
+first URL's time (0 for the first): `added_p50_ms`, the median over the rounds of its
+time less the first URL's in the same round, and `added_p99_ms`, its p99 less the
+first's.
 """
 
 import asyncio
@@ -147,12 +148,14 @@ def turns(n, k):
 
 def summarise(rounds, complete, n):
     """Each target's result as `percentiles` gives it, from `rounds` (one row of times in
-    ms or None per round, a column per target) and `complete` (a count per target); for
-    each but the first, what it added to the first's time (see the module's doc)."""
+    ms or None per round, a column per target) and `complete` (a count per target), with
+    what it added to the first's time (see the module's doc)."""
     results = []
     for i in range(len(complete)):
         res = percentiles([row[i] for row in rounds if row[i] is not None], n, complete[i])
-        if i > 0:
+        if i == 0:
+            res["added_p50_ms"] = res["added_p99_ms"] = 0.0
+        else:
             diffs = sorted(row[i] - row[0] for row in rounds if None not in (row[i], row[0]))
             res["added_p50_ms"] = round(diffs[(len(diffs) - 1) // 2], 3) if diffs else None
             first = results[0]["p99_ms"]

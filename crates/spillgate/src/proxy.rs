@@ -2384,7 +2384,8 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                 .and_then(|info| model_header(&ctx.body, info, &req.model));
             // Both names are ones `is_safe_name` allows: valid header values.
             debug_assert!(is_safe_name(served_model) && is_safe_name(&req.model));
-            let model_value = own.or_else(|| Some(Bytes::copy_from_slice(served_model.as_bytes())));
+            let model_value =
+                own.unwrap_or_else(|| Bytes::copy_from_slice(served_model.as_bytes()));
             tracing::info!(
                 model = %req.model,
                 served_model,
@@ -2484,7 +2485,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                         lines,
                         backend: b.name_header.clone(),
                         attempts: attempts_value(attempts),
-                        model: model_value,
+                        model: Some(model_value),
                         request_id: None,
                     },
                     body,
@@ -2496,9 +2497,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                     }
                     headers.insert(HEADER_BACKEND, b.name_header.clone());
                     headers.insert(HEADER_ATTEMPTS, attempts_value(attempts));
-                    if let Some(v) =
-                        model_value.and_then(|v| HeaderValue::from_maybe_shared(v).ok())
-                    {
+                    if let Ok(v) = HeaderValue::from_maybe_shared(model_value) {
                         headers.insert(HEADER_MODEL, v);
                     }
                     let mut resp = Response::new(body.into_body());
