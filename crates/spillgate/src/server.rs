@@ -272,10 +272,10 @@ pub async fn start_on(
     let header_timeout = snap.config.timeouts.client_header;
     let send_timeout = snap.config.timeouts.client_send;
     drop(snap);
-    let listeners = match &workers {
-        None => vec![TcpListener::bind(server_cfg.listen).await?.into_std()?],
-        Some(w) => bind_shared(server_cfg.listen, w.threads())?,
-    };
+    let listeners = bind_shared(
+        server_cfg.listen,
+        workers.as_ref().map_or(1, |w| w.threads()),
+    )?;
     let addr = listeners[0].local_addr()?;
     let (stop, stopped) = watch::channel(false);
     crate::health::spawn(&app);
@@ -343,7 +343,8 @@ pub async fn start_on(
 }
 
 /// `n` listeners on `addr`, sharing it with `SO_REUSEPORT` (port 0: a free port), not yet
-/// registered with any runtime.
+/// registered with any runtime. With `TCP_NODELAY`, which on Linux the connections they
+/// accept inherit (a system call less a connection).
 fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
     // An address something else listens on is refused, as a plain bind would be: a second
     // gateway started on the same port must fail, not silently take half the connections
@@ -360,6 +361,7 @@ fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpL
         // of the previous one are in TIME_WAIT.
         socket.set_reuseaddr(true)?;
         socket.set_reuseport(true)?;
+        socket.set_nodelay(true)?;
         socket.bind(addr)?;
         out.push(socket.listen(1024)?.into_std()?);
     }
@@ -421,6 +423,8 @@ impl Accept {
                     },
                 },
             };
+            // Inherited from the listener on Linux (see `bind_shared`).
+            #[cfg(not(target_os = "linux"))]
             let _ = stream.set_nodelay(true);
             let gateway = self.service.clone();
             let conn = crate::front::serve(
@@ -547,6 +551,20 @@ mod tests {
             }
         }
         assert!(counts[0] > 0 && counts[1] > 0, "{counts:?}");
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_send_without_delay() {
+        let listener = bind_shared("127.0.0.1:0".parse().unwrap(), 1).unwrap();
+        let listener = TcpListener::from_std(listener.into_iter().next().unwrap()).unwrap();
+        let _client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (stream, _) = listener.accept().await.unwrap();
+        // What the accept loop relies on instead of setting it on each connection.
+        #[cfg(target_os = "linux")]
+        assert!(stream.nodelay().unwrap());
+        let _ = stream;
     }
 
     #[tokio::test]
