@@ -440,9 +440,11 @@ impl Accept {
             // (`Core::set_stage`) as it ends, eight copies of the whole future, about
             // 1,500 instructions a connection (callgrind); the box is copied into once.
             tokio::spawn(Box::pin(conn).map(move |()| drop(permit)));
-            // The new connection's request is usually there already: it is read and sent
-            // on before this loop accepts again (an `accept4` that mostly finds nothing
-            // more), which had come first, on the way to the backend.
+            // The new connection's request is usually there already: its task reads it and
+            // sends it on before this loop calls `accept4` again, which mostly finds
+            // nothing more and had delayed the request when it came first. Under a burst,
+            // one connection is accepted per turn of the queue (as nginx's default
+            // `multi_accept off` accepts one per turn of its event loop).
             behind_queued().await;
         }
     }
