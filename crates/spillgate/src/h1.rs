@@ -111,6 +111,8 @@ pub enum SendError {
     Unsent(Error),
     /// Failed once (some of) the request may have been written: not to be sent again.
     Failed(Error),
+    /// No response head by the exchange's deadline.
+    TimedOut,
 }
 
 /// An HTTP/1.1 connection to a backend, idle between exchanges.
@@ -124,6 +126,8 @@ pub struct Conn {
     head: Vec<u8>,
     /// `Host` for the requests that have none: the backend's, built once per connection.
     host: Option<HeaderValue>,
+    /// The exchanges' deadline timer, see [`expired`].
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Conn {
@@ -134,6 +138,7 @@ impl Conn {
             room: READ_ROOM,
             head: Vec::new(),
             host,
+            timer: None,
         }
     }
 
@@ -151,8 +156,9 @@ impl Conn {
     }
 
     /// Sends `req` (in origin form, with the connection's `Host`) and reads the response
-    /// head. The connection then belongs to the response body, which gives it to
-    /// `release` at its end if it can carry another request.
+    /// head, unless `deadline` comes first ([`SendError::TimedOut`]). The connection
+    /// then belongs to the response body, which gives it to `release` at its end if it
+    /// can carry another request.
     ///
     /// An `async` block rather than an `async fn`: the future holds the connection and
     /// `release` once, where an `async fn` kept its arguments and their moved copies
@@ -162,14 +168,18 @@ impl Conn {
         mut self,
         req: &'a UpstreamRequest<'r>,
         release: R,
+        deadline: tokio::time::Instant,
     ) -> impl Future<Output = Result<Response<R>, SendError>> + use<'a, 'r, R> {
         async move {
             let body = req.body();
             self.head.clear();
             encode_head(&mut self.head, req, self.host.as_ref(), body.len());
-            let wrote = match self.write(body).await {
+            // Out of the connection while it is written and read, put back with it.
+            let mut timer = self.timer.take();
+            let wrote = match self.write(body, &mut timer, deadline).await {
                 Ok(wrote) => wrote,
-                Err((written, e)) => {
+                Err(None) => return Err(SendError::TimedOut),
+                Err(Some((written, e))) => {
                     let e = Error::io("writing the request", &e);
                     return Err(if written == 0 {
                         SendError::Unsent(e)
@@ -193,9 +203,13 @@ impl Conn {
                         MAX_HEAD / 1024
                     ))));
                 }
-                let n = poll_fn(|cx| self.poll_fill(cx))
-                    .await
-                    .map_err(|e| SendError::Failed(Error::io("reading the response", &e)))?;
+                let n = poll_fn(|cx| match self.poll_fill(cx) {
+                    Poll::Ready(read) => Poll::Ready(Some(read)),
+                    Poll::Pending => expired(&mut timer, deadline, cx).map(|()| None),
+                })
+                .await
+                .ok_or(SendError::TimedOut)?
+                .map_err(|e| SendError::Failed(Error::io("reading the response", &e)))?;
                 if n == 0 {
                     return Err(SendError::Failed(Error::new(if self.buf.is_empty() {
                         "the backend closed the connection before answering"
@@ -215,6 +229,7 @@ impl Conn {
             // Answered before taking the whole request: the rest of it is not sent, so the
             // connection cannot carry another.
             let reusable = keep_alive && wrote == Wrote::All;
+            self.timer = timer;
             let mut body = Body {
                 conn: Some(self),
                 framing,
@@ -231,8 +246,13 @@ impl Conn {
 
     /// Writes the head and then `body`, unless the backend refuses it first (a request too
     /// large, say, answered with an error without being read); on failure, how many bytes
-    /// went.
-    async fn write(&mut self, body: &[u8]) -> Result<Wrote, (usize, std::io::Error)> {
+    /// went, and `None` when `deadline` came first.
+    async fn write(
+        &mut self,
+        body: &[u8],
+        timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Wrote, Option<(usize, std::io::Error)>> {
         let total = self.head.len() + body.len();
         let mut written = 0;
         poll_fn(|cx| loop {
@@ -266,12 +286,12 @@ impl Conn {
                 Some(_) if written > 0 && self.answered(cx, Answer::Any) => {
                     Poll::Ready(Ok(Wrote::Answered))
                 }
-                Some(e) => Poll::Ready(Err((written, e))),
+                Some(e) => Poll::Ready(Err(Some((written, e)))),
                 // Not taking more: it may have refused the request already (the read is
                 // polled too, so an answer wakes this). A success sent early is not: the
                 // backend reads the rest.
                 None if self.answered(cx, Answer::Refusal) => Poll::Ready(Ok(Wrote::Answered)),
-                None => Poll::Pending,
+                None => expired(timer, deadline, cx).map(|()| Err(None)),
             };
         })
         .await
@@ -290,6 +310,35 @@ impl Conn {
                 _ => return final_head_in(&self.buf, wanted),
             }
         }
+    }
+}
+
+/// Whether `deadline` has come, by a connection's timer (made at its first wait);
+/// registers `cx` to be woken then when not. One timer for the connection's life: a
+/// timer of its own for each exchange was put into the runtime's timer wheel and taken
+/// out again, about 330 instructions of a JSON request (callgrind). Nor is it moved to
+/// each exchange's deadline (about 120 more), usually a later one: it is left where it
+/// is, and moved on when it goes off before the deadline of the exchange then waiting.
+/// Only a deadline nearer than the timer's moves it at once.
+///
+/// A timer left running between exchanges (the connection idle in its pool, or read by
+/// a response body) may go off and wake the task that last waited on it: a wake for
+/// nothing, which costs that task a poll, once a timeout at most.
+fn expired(
+    timer: &mut Option<Pin<Box<tokio::time::Sleep>>>,
+    deadline: tokio::time::Instant,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+    if timer.deadline() > deadline {
+        timer.as_mut().reset(deadline);
+    }
+    loop {
+        std::task::ready!(timer.as_mut().poll(cx));
+        if timer.deadline() >= deadline {
+            return Poll::Ready(());
+        }
+        timer.as_mut().reset(deadline);
     }
 }
 
@@ -1864,6 +1913,11 @@ mod tests {
         }
     }
 
+    /// A deadline no test reaches.
+    fn far() -> tokio::time::Instant {
+        tokio::time::Instant::now() + std::time::Duration::from_secs(3600)
+    }
+
     /// Sends `req` on `conn`.
     async fn send<R: Release>(
         conn: Conn,
@@ -1871,7 +1925,7 @@ mod tests {
         release: R,
     ) -> Result<http::Response<Body<R>>, SendError> {
         let resp = conn
-            .send(&UpstreamRequest::of(&req).unwrap(), release)
+            .send(&UpstreamRequest::of(&req).unwrap(), release, far())
             .await?;
         let mut http = http::Response::new(resp.body);
         *http.status_mut() = resp.status;
@@ -1925,6 +1979,124 @@ mod tests {
 
     async fn read_all(body: Body<Back>) -> Result<Bytes, Error> {
         body.collect().await.map(|c| c.to_bytes())
+    }
+
+    /// Sends `req` on `conn` with `deadline`: the response (its body read whole, the
+    /// connection given back) or the error, and how long it took.
+    async fn timed(
+        conn: Conn,
+        req: http::Request<Bytes>,
+        deadline: tokio::time::Instant,
+    ) -> (Result<(StatusCode, Conn), SendError>, std::time::Duration) {
+        let start = tokio::time::Instant::now();
+        let back = Back::default();
+        let sent = conn
+            .send(&UpstreamRequest::of(&req).unwrap(), back.clone(), deadline)
+            .await;
+        let taken = start.elapsed();
+        let answer = match sent {
+            Ok(resp) => {
+                read_all(resp.body).await.unwrap();
+                Ok((resp.status, back.take().expect("connection given back")))
+            }
+            Err(e) => Err(e),
+        };
+        (answer, taken)
+    }
+
+    /// The backend end of `server`: answers each request after the delay `delays`
+    /// gives for it (none: never answers), and reads what comes meanwhile.
+    fn answering(mut server: DuplexStream, delays: Vec<Option<u64>>) {
+        tokio::spawn(async move {
+            let mut buf = vec![0; 1 << 16];
+            for delay in delays {
+                // Each request is small, and comes in one read.
+                if server.read(&mut buf).await.unwrap_or(0) == 0 {
+                    return;
+                }
+                let Some(ms) = delay else {
+                    std::future::pending::<()>().await;
+                    return;
+                };
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                server
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await
+                    .unwrap();
+            }
+        });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_exchange_on_a_connection_ends_at_its_own_deadline() {
+        use std::time::Duration;
+        let secs = |n| tokio::time::Instant::now() + Duration::from_secs(n);
+        let timed_out = |answer: &Result<(StatusCode, Conn), SendError>, taken, after| {
+            assert!(
+                matches!(answer, Err(SendError::TimedOut)),
+                "{:?}",
+                answer.as_ref().map(|(status, _)| status)
+            );
+            let after = Duration::from_secs(after);
+            assert!(
+                taken >= after && taken < after + Duration::from_millis(10),
+                "timed out after {taken:?}, not {after:?}"
+            );
+        };
+        let (conn, server) = pair();
+        answering(server, vec![Some(0), Some(3_000), Some(0), None]);
+        // The connection's timer is made for the first exchange's deadline, a second
+        // away; the answer comes at once.
+        let (answer, _) = timed(conn, post("{}"), secs(1)).await;
+        let (status, conn) = answer.unwrap();
+        assert_eq!(status, 200);
+        // One timer for the connection's life, not one an exchange.
+        let timer_of = |conn: &Conn| conn.timer.as_deref().map(std::ptr::from_ref);
+        let timer = timer_of(&conn);
+        assert!(timer.is_some());
+        // A later deadline, eight seconds away: an answer after three is taken (the
+        // timer, moved on, does not go off at the earlier one).
+        let (answer, taken) = timed(conn, post("{}"), secs(8)).await;
+        let (_, conn) = answer.unwrap();
+        assert_eq!(taken, Duration::from_secs(3));
+        // A nearer deadline than the timer's: moved back to it.
+        let (answer, _) = timed(conn, post("{}"), secs(60)).await;
+        let (_, conn) = answer.unwrap();
+        assert_eq!(timer_of(&conn), timer);
+        let (answer, taken) = timed(conn, post("{}"), secs(2)).await;
+        timed_out(&answer, taken, 2);
+
+        // Moved on to a later deadline and not answered: it goes off then, not at the
+        // deadline it was first set for.
+        let (conn, server) = pair();
+        answering(server, vec![Some(0), None]);
+        let (answer, _) = timed(conn, post("{}"), secs(1)).await;
+        let (_, conn) = answer.unwrap();
+        let (answer, taken) = timed(conn, post("{}"), secs(4)).await;
+        timed_out(&answer, taken, 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_exchange_that_cannot_write_its_request_ends_at_its_deadline() {
+        use std::time::Duration;
+        // A backend that reads nothing: the request fills the pipe and waits.
+        let (a, _server) = tokio::io::duplex(64);
+        let conn = Conn::new(Box::new(a), HeaderValue::from_str("b").ok());
+        let big = "x".repeat(64 * 1024);
+        let req = http::Request::post("http://b/v1/chat/completions")
+            .body(Bytes::from(big))
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let (answer, taken) =
+            tokio::time::timeout(Duration::from_secs(60), timed(conn, req, deadline))
+                .await
+                .expect("the deadline ends the exchange");
+        assert!(
+            matches!(answer, Err(SendError::TimedOut)),
+            "{:?}",
+            answer.map(|(status, _)| status)
+        );
+        assert!(taken < Duration::from_millis(5_010), "{taken:?}");
     }
 
     #[tokio::test]
@@ -2045,7 +2217,7 @@ mod tests {
             .write_all(b"HTTP/1.1 204 No Content\r\n\r\n")
             .await
             .unwrap();
-        let resp = conn.send(&req, Back::default()).await.unwrap();
+        let resp = conn.send(&req, Back::default(), far()).await.unwrap();
         assert_eq!(resp.status, 204);
         assert_eq!(
             received(&mut server).await,
@@ -2503,7 +2675,7 @@ mod tests {
             let mut req = post("{}");
             *req.method_mut() = method.clone();
             let resp = conn
-                .send(&UpstreamRequest::of(&req).unwrap(), Back::default())
+                .send(&UpstreamRequest::of(&req).unwrap(), Back::default(), far())
                 .await
                 .unwrap();
             assert_eq!(resp.headers.declared_length(), declared, "{method}");

@@ -432,19 +432,20 @@ impl UpstreamClient {
         let slot = POOL_SLOT.with(std::cell::Cell::get) % MAX_POOLS;
         async move {
             // One reading of the clock for the timeout and the pool's idle check. A
-            // timeout past what the clock can hold is thirty years, as tokio's own. One
-            // await: with two (one with the timeout, one without) the request's future
-            // was no longer inlined into the attempt's, and the answer came out of it
-            // through two more copies, about 200 instructions a request (callgrind).
+            // timeout past what the clock can hold is thirty years, as tokio's own. The
+            // timeout is kept where the request waits: by an HTTP/1.1 connection's own
+            // timer (see `h1::Conn::send`), by a timer of its own around a connect or an
+            // HTTP/2 exchange. One await: with two (one with a timeout, one without) the
+            // request's future was no longer inlined into the attempt's, and the answer
+            // came out of it through two more copies, about 200 instructions a request
+            // (callgrind).
             let now = Instant::now();
             let at = now
                 .checked_add(timeout)
                 .or_else(|| now.checked_add(Duration::from_secs(30 * 365 * 86_400)))
                 .unwrap_or(now);
-            match tokio::time::timeout_at(at, self.0.request(slot, &req, now)).await {
-                Err(_) => Err(AttemptError::FirstByteTimeout(timeout)),
-                Ok(r) => r,
-            }
+            let deadline = Deadline { at, timeout };
+            self.0.request(slot, &req, now, deadline).await
         }
     }
 }
@@ -480,24 +481,27 @@ impl Inner {
         slot: usize,
         req: &UpstreamRequest<'_>,
         now: Instant,
+        deadline: Deadline,
     ) -> Result<Upstreamed, AttemptError> {
         let origin = Origin {
             scheme: req.scheme.clone(),
             authority: req.authority.clone(),
         };
         let pool = &self.pools[slot];
-        let (conn, reused) = self.conn_for(pool, &origin, now).await?;
+        let (conn, reused) = self.conn_for(pool, &origin, now, deadline).await?;
         {
-            let sent = send_on(conn, req, pool, &origin).await;
+            let sent = send_on(conn, req, pool, &origin, deadline.at).await;
             // A pooled connection the backend closed (or sent GOAWAY on) just as it was
             // taken: the request was not written, so it goes once more, on a new
             // connection. A request that may have been written is never sent again.
             if !(reused && matches!(sent, Err(h1::SendError::Unsent(_)))) {
-                return Ok(sent?);
+                return sent.map_err(|e| deadline.error(e));
             }
         }
-        let conn = Box::pin(self.connect(pool, &origin)).await?;
-        Ok(send_on(conn, req, pool, &origin).await?)
+        let conn = self.connect_by(pool, &origin, deadline).await?;
+        send_on(conn, req, pool, &origin, deadline.at)
+            .await
+            .map_err(|e| deadline.error(e))
     }
 
     /// A connection to `origin`: a pooled one (then `true`), else a new one. `now` is
@@ -507,14 +511,30 @@ impl Inner {
         pool: &SharedPool,
         origin: &Origin,
         now: Instant,
+        deadline: Deadline,
     ) -> Result<(Conn<H1, H2>, bool), AttemptError> {
         let pooled = lock(pool).take(origin, now);
         Ok(match pooled {
             Some(c) => (c, true),
-            // Boxed: the connect future is kilobytes; inline, it would make every
-            // request's future that large, copied as it is set up.
-            None => (Box::pin(self.connect(pool, origin)).await?, false),
+            None => (self.connect_by(pool, origin, deadline).await?, false),
         })
+    }
+
+    /// [`Inner::connect`] within the request's deadline. Boxed: the connect future is
+    /// kilobytes (with its timer); inline, it would make every request's future that
+    /// large, copied as it is set up.
+    async fn connect_by(
+        &self,
+        pool: &SharedPool,
+        origin: &Origin,
+        deadline: Deadline,
+    ) -> Result<Conn<H1, H2>, AttemptError> {
+        Box::pin(tokio::time::timeout_at(
+            deadline.at,
+            self.connect(pool, origin),
+        ))
+        .await
+        .unwrap_or(Err(AttemptError::FirstByteTimeout(deadline.timeout)))
     }
 
     /// Opens a connection to `origin`, HTTP/2 when the backend picks it by ALPN (kept in
@@ -582,19 +602,29 @@ where
     })
 }
 
-impl From<h1::SendError> for AttemptError {
-    fn from(e: h1::SendError) -> AttemptError {
+/// When a request's attempt gives up waiting for its answer's head: `at`, `timeout`
+/// after it began.
+#[derive(Clone, Copy)]
+struct Deadline {
+    at: Instant,
+    timeout: Duration,
+}
+
+impl Deadline {
+    /// The attempt's error for a failed exchange.
+    fn error(self, e: h1::SendError) -> AttemptError {
         match e {
             h1::SendError::Unsent(e) | h1::SendError::Failed(e) => {
                 AttemptError::Request(e.to_string())
             }
+            h1::SendError::TimedOut => AttemptError::FirstByteTimeout(self.timeout),
         }
     }
 }
 
-/// Sends `req` on `conn`: over HTTP/1.1 in origin form with the connection's `Host`, the
-/// connection going back to `pool` when the response body ends; over HTTP/2 with the
-/// authority in the URI and no `Host`. Not an `async fn`, which would hold the connection
+/// Sends `req` on `conn`, until its answer's head or `deadline`: over HTTP/1.1 in origin
+/// form with the connection's `Host`, the connection going back to `pool` when the
+/// response body ends; over HTTP/2 with the authority in the URI and no `Host`. Not an `async fn`, which would hold the connection
 /// twice (as its argument and as the branch's); the HTTP/2 branch is boxed, its future
 /// being the larger and its requests costing far more than an allocation.
 fn send_on<'a>(
@@ -602,6 +632,7 @@ fn send_on<'a>(
     req: &'a UpstreamRequest<'_>,
     pool: &SharedPool,
     origin: &Origin,
+    deadline: Instant,
 ) -> impl std::future::Future<Output = Result<Upstreamed, h1::SendError>> + use<'a> {
     use futures_util::future::Either;
     use futures_util::FutureExt;
@@ -611,7 +642,7 @@ fn send_on<'a>(
                 pool: Arc::downgrade(pool),
                 origin: origin.clone(),
             };
-            Either::Left(h1.send(req, give_back).map(|sent| {
+            Either::Left(h1.send(req, give_back, deadline).map(|sent| {
                 let resp = sent?;
                 Ok(Upstreamed {
                     status: resp.status,
@@ -620,7 +651,11 @@ fn send_on<'a>(
                 })
             }))
         }
-        Conn::H2(h2) => Either::Right(Box::pin(send_h2(h2, req))),
+        Conn::H2(h2) => Either::Right(Box::pin(async move {
+            tokio::time::timeout_at(deadline, send_h2(h2, req))
+                .await
+                .unwrap_or(Err(h1::SendError::TimedOut))
+        })),
     }
 }
 
@@ -1559,6 +1594,50 @@ mod tests {
             Err(e) => panic!("{e}"),
             Ok(a) => panic!("answered {}", a.status),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pooled_connection_silent_past_the_first_byte_timeout_fails_the_attempt() {
+        // Answers the first request, then reads and never answers; counts connections.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                let mut held = Vec::new();
+                while let Ok((other, _)) = listener.accept().await {
+                    count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    held.push(other);
+                }
+            });
+            let mut buf = vec![0; 4096];
+            let _ = tokio::io::AsyncReadExt::read(&mut stream, &mut buf).await;
+            tokio::io::AsyncWriteExt::write_all(
+                &mut stream,
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+            )
+            .await
+            .unwrap();
+            let mut sink = Vec::new();
+            let _ = tokio::io::AsyncReadExt::read_to_end(&mut stream, &mut sink).await;
+        });
+        let c = client();
+        let answer = relayed(&c, port, LONG).await.unwrap();
+        assert_eq!(&body_of(answer.into_http()).await[..], b"ok");
+        let timeout = Duration::from_millis(250);
+        let start = Instant::now();
+        match relayed(&c, port, timeout).await {
+            Err(AttemptError::FirstByteTimeout(d)) => assert_eq!(d, timeout),
+            Err(e) => panic!("{e}"),
+            Ok(a) => panic!("answered {}", a.status),
+        }
+        let taken = start.elapsed();
+        assert!(taken < timeout + Duration::from_millis(10), "{taken:?}");
+        // Both went on the one connection.
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 
     #[tokio::test]
