@@ -313,13 +313,11 @@ impl Conn {
     }
 }
 
-/// Whether `deadline` has come, by a connection's timer (made at its first wait);
-/// registers `cx` to be woken then when not. One timer for the connection's life: a
-/// timer of its own for each exchange was put into the runtime's timer wheel and taken
-/// out again, about 330 instructions of a JSON request (callgrind). Nor is it moved to
-/// each exchange's deadline (about 120 more), usually a later one: it is left where it
-/// is, and moved on when it goes off before the deadline of the exchange then waiting.
-/// Only a deadline nearer than the timer's moves it at once.
+/// Whether `deadline` has come, by a connection's timer (made at its first wait; see
+/// [`poll_deadline`]). One timer for the connection's life: a timer of its own for each
+/// exchange was put into the runtime's timer wheel and taken out again, about 330
+/// instructions of a JSON request (callgrind). Nor is it moved to each exchange's
+/// deadline (about 120 more).
 ///
 /// A timer left running between exchanges (the connection idle in its pool, or read by
 /// a response body) may go off and wake the task that last waited on it: a wake for
@@ -330,6 +328,20 @@ fn expired(
     cx: &mut Context<'_>,
 ) -> Poll<()> {
     let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+    poll_deadline(timer.as_mut(), deadline, cx)
+}
+
+/// Whether `deadline` has come, by `timer`, kept for waits one after another with later
+/// and later deadlines (a connection's exchanges here, a client connection's heads in
+/// [`crate::front`]); registers `cx` to be woken when not. A timer set before `deadline`
+/// is left where it is, and moved on when it goes off early: moving it for each wait
+/// cost about 120 instructions, where this is once a timeout at most. Only a deadline
+/// nearer than the timer's moves it at once.
+pub(crate) fn poll_deadline(
+    mut timer: Pin<&mut tokio::time::Sleep>,
+    deadline: tokio::time::Instant,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
     if timer.deadline() > deadline {
         timer.as_mut().reset(deadline);
     }
