@@ -624,9 +624,10 @@ impl Deadline {
 
 /// Sends `req` on `conn`, until its answer's head or `deadline`: over HTTP/1.1 in origin
 /// form with the connection's `Host`, the connection going back to `pool` when the
-/// response body ends; over HTTP/2 with the authority in the URI and no `Host`. Not an `async fn`, which would hold the connection
-/// twice (as its argument and as the branch's); the HTTP/2 branch is boxed, its future
-/// being the larger and its requests costing far more than an allocation.
+/// response body ends; over HTTP/2 with the authority in the URI and no `Host`. Not an
+/// `async fn`, which would hold the connection twice (as its argument and as the
+/// branch's); the HTTP/2 branch is boxed, its future being the larger and its requests
+/// costing far more than an allocation.
 fn send_on<'a>(
     conn: Conn<H1, H2>,
     req: &'a UpstreamRequest<'_>,
