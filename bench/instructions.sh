@@ -11,6 +11,7 @@
 #   KEEP=/tmp/cg bench/instructions.sh  # also keep the callgrind dumps (for callgrind_annotate)
 #   ONLY=json bench/instructions.sh  # one body only (json, sdk or sse)
 #   SPILLGATE_BIN=target/pgo/release/spillgate bench/instructions.sh  # that gateway binary
+#   CACHE=1 bench/instructions.sh  # also simulated cache misses per request (below)
 #
 # `sdk` is the JSON request with the headers the OpenAI Python SDK sends, answered with
 # the six `x-ratelimit-*` headers Azure sends: what a gateway in production parses.
@@ -23,6 +24,13 @@
 # wheel), which follows the run's wall time and is shared by however many requests the
 # run served, it repeated within 0.25% (one build's pair: 1.3%) where the whole count
 # moved by 2%. Compare builds by it, in two runs each.
+#
+# With CACHE=1, callgrind also simulates the first-level caches (the sizes it reads from
+# this CPU, printed under the table) and the table gives, per request, the instruction
+# cache's misses (I1, a 64-byte line of code fetched again) and the data cache's (D1,
+# reads and writes). Like the instruction count, the same from run to run. They tell
+# why a build's CPU time can move more than its instructions: code spread over more
+# lines, or data over more lines, waits for the next cache level more often.
 set -euo pipefail
 # Relative to where the script was called from, not to the repository it moves to.
 KEEP=${KEEP:+$(realpath -m "$KEEP")}
@@ -65,6 +73,7 @@ start_target() { # target out backend_port
     PORT=$(free_port)
     local cg=(valgrind --tool=callgrind --callgrind-out-file="$2" --dump-instr=no
         --compress-strings=no --compress-pos=no)
+    [[ -n ${CACHE:-} ]] && cg+=(--cache-sim=yes)
     case $1 in
         spillgate)
             spillgate_toml "$WORK/spillgate.toml" "$PORT" "$3"
@@ -115,10 +124,23 @@ task_polls() { # file
         awk '!found && /tokio::runtime::task::raw::poll \[/ { gsub(",", "", $1); print $1; found = 1 }'
 }
 
+# The simulated misses per request in a dump made with --cache-sim=yes: "I1 D1" (D1:
+# reads and writes).
+misses() { # file requests
+    awk -v n="$2" '/^events:/ { for (i = 2; i <= NF; i++) col[$i] = i }
+        /^totals:/ { printf "%.0f %.0f", $col["I1mr"] / n, ($col["D1mr"] + $col["D1mw"]) / n }' "$1"
+}
+
 FAILED=0
 declare -A IR=()
-echo "| body | target | requests counted | instructions per request | vs nginx | tasks' own per request |"
-echo "|---|---|---:|---:|---:|---:|"
+declare -A MISS=()
+if [[ -n ${CACHE:-} ]]; then
+    echo "| body | target | requests counted | instructions per request | vs nginx | tasks' own per request | I1 misses per request | vs nginx | D1 misses per request | vs nginx |"
+    echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+else
+    echo "| body | target | requests counted | instructions per request | vs nginx | tasks' own per request |"
+    echo "|---|---|---:|---:|---:|---:|"
+fi
 for body in "${BODIES[@]}"; do
     payload=$JSON headers="" backend=$MPORT
     [[ $body == sse ]] && payload=$SSE
@@ -148,7 +170,16 @@ for body in "${BODIES[@]}"; do
             polls=$(task_polls "$out.1") || polls=""
             [[ -n $polls ]] && tasks=$((polls / requests))
         fi
-        echo "| $body | $target | $requests | ${IR[$target.$body]} | $ratio | $tasks |"
+        if [[ -n ${CACHE:-} ]]; then
+            MISS[$target.$body]=$(misses "$out.1" "$requests")
+            read -r i1 d1 <<<"${MISS[$target.$body]}"
+            read -r ni1 nd1 <<<"${MISS[nginx.$body]:-0 0}"
+            vs() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }'; }
+            echo "| $body | $target | $requests | ${IR[$target.$body]} | $ratio | $tasks | $i1 | $(vs "$i1" "$ni1") | $d1 | $(vs "$d1" "$nd1") |"
+            [[ -f $WORK/caches ]] || grep -E '^desc: (I1|D1) cache' "$out.1" | sed 's/^desc: //' >"$WORK/caches"
+        else
+            echo "| $body | $target | $requests | ${IR[$target.$body]} | $ratio | $tasks |"
+        fi
         if [[ -n ${KEEP:-} ]]; then
             mkdir -p "$KEEP"
             cp "$out.1" "$KEEP/$target-$body.callgrind"
@@ -159,6 +190,11 @@ for body in "${BODIES[@]}"; do
         fi
     done
 done
+
+if [[ -f $WORK/caches ]]; then
+    echo
+    echo "Simulated caches (callgrind, from this CPU): $(paste -sd ';' "$WORK/caches" | sed 's/;/; /')."
+fi
 
 if [[ -n ${TOP:-} ]]; then
     for body in "${BODIES[@]}"; do
