@@ -19,6 +19,7 @@ pub struct GatewayError {
 }
 
 impl GatewayError {
+    #[cold]
     pub fn new(
         status: StatusCode,
         kind: &'static str,
