@@ -19,7 +19,6 @@ pub struct GatewayError {
 }
 
 impl GatewayError {
-    #[cold]
     pub fn new(
         status: StatusCode,
         kind: &'static str,

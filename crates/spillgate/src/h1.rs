@@ -86,11 +86,9 @@ impl Io for tokio::io::DuplexStream {}
 pub struct Error(String);
 
 impl Error {
-    #[cold]
     pub fn new(what: impl Into<String>) -> Error {
         Error(what.into())
     }
-    #[cold]
     fn io(what: &str, e: &std::io::Error) -> Error {
         Error(format!("{what}: {e}"))
     }

@@ -313,14 +313,6 @@ impl<M: Clone> HandleCache<M> {
                 return f(m);
             }
         }
-        self.made(key, make, f)
-    }
-
-    /// [`HandleCache::with`] for a key seen for the first time: once a key, so out of
-    /// the line of the callers' code that runs for every request.
-    #[cold]
-    #[inline(never)]
-    fn made<R>(&self, key: u64, make: impl FnOnce() -> M, f: impl FnOnce(&M) -> R) -> R {
         let m = make();
         let r = f(&m);
         if let Ok(mut map) = self.map.write() {
