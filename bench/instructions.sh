@@ -28,7 +28,9 @@
 # With CACHE=1, callgrind also simulates the first-level caches (the sizes it reads from
 # this CPU, printed under the table) and the table gives, per request, the instruction
 # cache's misses (I1, a 64-byte line of code fetched again) and the data cache's (D1,
-# reads and writes). Like the instruction count, the same from run to run. They tell
+# reads and writes). They repeat less closely than the tasks' instructions: I1 within
+# about 2% between runs of one build, D1 within about 15% (the runtime's idle work is in
+# them, and how the connections' turns interleave). They tell
 # why a build's CPU time can move more than its instructions: code spread over more
 # lines, or data over more lines, waits for the next cache level more often.
 set -euo pipefail
@@ -131,6 +133,9 @@ misses() { # file requests
         /^totals:/ { printf "%.0f %.0f", $col["I1mr"] / n, ($col["D1mr"] + $col["D1mw"]) / n }' "$1"
 }
 
+# vs <a> <b>: a/b as a ratio ("-" without b).
+vs() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }'; }
+
 FAILED=0
 declare -A IR=()
 declare -A MISS=()
@@ -174,7 +179,6 @@ for body in "${BODIES[@]}"; do
             MISS[$target.$body]=$(misses "$out.1" "$requests")
             read -r i1 d1 <<<"${MISS[$target.$body]}"
             read -r ni1 nd1 <<<"${MISS[nginx.$body]:-0 0}"
-            vs() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }'; }
             echo "| $body | $target | $requests | ${IR[$target.$body]} | $ratio | $tasks | $i1 | $(vs "$i1" "$ni1") | $d1 | $(vs "$d1" "$nd1") |"
             [[ -f $WORK/caches ]] || grep -E '^desc: (I1|D1) cache' "$out.1" | sed 's/^desc: //' >"$WORK/caches"
         else
