@@ -315,9 +315,9 @@ impl Conn {
 
 /// Whether `deadline` has come, by a connection's timer (made at its first wait; see
 /// [`poll_deadline`]). One timer for the connection's life: a timer of its own for each
-/// exchange was put into the runtime's timer wheel and taken out again, about 330
-/// instructions of a JSON request (callgrind). Nor is it moved to each exchange's
-/// deadline (about 120 more).
+/// exchange was put into the runtime's timer wheel and taken out again: 354 instructions
+/// to poll it the first time and 123 to drop it, in a JSON request (callgrind). Nor is
+/// it moved to each exchange's deadline (about 120 more).
 ///
 /// A timer left running between exchanges (the connection idle in its pool, or read by
 /// a response body) may go off and wake the task that last waited on it: a wake for
