@@ -280,18 +280,21 @@ async fn seed_001_all_failing_makes_nine_calls_then_stops() {
         ["b0", "b0", "b0", "b1", "b1", "b1", "b2", "b2", "b2"]
     );
     // Waits between tries of one backend follow the backoff (1 s, then 2 s +-20%);
-    // moving to the next backend is immediate.
+    // moving to the next backend is immediate. Compared as durations: in seconds as
+    // floats, a wait of exactly 2.2 s (the bound, drawn now and then) came out as
+    // 2.200000000000001.
     let c = gw.fake.calls();
     for base in [0, 3, 6] {
-        let first = secs(&c[base + 1]) - secs(&c[base]);
-        let second = secs(&c[base + 2]) - secs(&c[base + 1]);
-        assert!(
-            (first - 1.0).abs() < 1e-6,
-            "first retry waits interval: {first}"
+        let first = c[base + 1].at - c[base].at;
+        let second = c[base + 2].at - c[base + 1].at;
+        assert_eq!(
+            first,
+            Duration::from_secs(1),
+            "first retry waits interval: {first:?}"
         );
         assert!(
-            (1.8..=2.2).contains(&second),
-            "second retry waits 2 s +-20%: {second}"
+            (Duration::from_millis(1_800)..=Duration::from_millis(2_200)).contains(&second),
+            "second retry waits 2 s +-20%: {second:?}"
         );
     }
     assert_eq!(secs(&c[3]), secs(&c[2]), "switching to b1 does not wait");
