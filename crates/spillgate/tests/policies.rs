@@ -281,8 +281,8 @@ async fn seed_001_all_failing_makes_nine_calls_then_stops() {
     );
     // Waits between tries of one backend follow the backoff (1 s, then 2 s +-20%);
     // moving to the next backend is immediate. Compared as durations: in seconds as
-    // floats, a wait of exactly 2.2 s (the bound, drawn now and then) came out as
-    // 2.200000000000001.
+    // floats, a wait of exactly 2.2 s (the bound, reached now and then as the timer
+    // rounds up to the millisecond) came out as 2.200000000000001.
     let c = gw.fake.calls();
     for base in [0, 3, 6] {
         let first = c[base + 1].at - c[base].at;
