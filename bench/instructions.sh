@@ -29,8 +29,9 @@
 # this CPU, printed under the table) and the table gives, per request, the instruction
 # cache's misses (I1, a 64-byte line of code fetched again) and the data cache's (D1,
 # reads and writes). They repeat less closely than the tasks' instructions: I1 within
-# about 2% between runs of one build, D1 within about 15% (the runtime's idle work is in
-# them, and how the connections' turns interleave). They tell
+# about 2% between runs of one build, D1 within about 15% on one VM and by 2× on another
+# (the runtime's idle work is in them, and how the connections' turns interleave; see
+# bench/README.md for comparing builds by the tasks' share of them). They tell
 # why a build's CPU time can move more than its instructions: code spread over more
 # lines, or data over more lines, waits for the next cache level more often.
 set -euo pipefail
