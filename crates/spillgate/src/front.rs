@@ -204,7 +204,15 @@ impl http_body::Body for RequestBody {
         let ended = loop {
             let Input { buf, body, .. } = &mut *input;
             match h1::decode(body, buf, true) {
-                Ok(Step::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(Step::Data(data)) => {
+                    // Its last bytes (usually all of it, in one piece): the next poll
+                    // finds the end without locking the connection's input again.
+                    if *body == Framing::Done {
+                        drop(input);
+                        self.input = None;
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
                 Ok(Step::End) => break None,
                 Ok(Step::NeedMore) => {}
                 Err(e) => break Some(e),
@@ -643,6 +651,7 @@ pub async fn serve<H, F, B>(
         }
     };
     let mut stop_signal = std::pin::pin!(stop_signal);
+    let stopping_at_start = *stopped.borrow();
     let mut timer = std::pin::pin!(tokio::time::sleep(limits.header_timeout));
     // The waker the stop signal and the timer hold, when both wait with it: neither is
     // polled again for each head while it stays so (see the wait below).
@@ -654,7 +663,7 @@ pub async fn serve<H, F, B>(
         // goes off early, at an earlier request's end of wait (`h1::poll_deadline`): moved
         // with each request of a kept-alive connection, it was taken out of the timer
         // wheel and put back each time (about 120 instructions, callgrind).
-        let deadline = tokio::time::Instant::now() + limits.header_timeout;
+        let deadline = crate::now::now() + limits.header_timeout;
         // What the response needs, out of a block: a local the block ends (the request's
         // head, the parse's result) takes no room in the connection's future while the
         // response streams, which may be minutes. The refusals are boxed for the same
@@ -798,7 +807,11 @@ pub async fn serve<H, F, B>(
             slot.finish(resp.length_known());
             (resp, method, version, keep_alive)
         };
-        let keep_alive = keep_alive && !*stopped.borrow();
+        // Read (a lock) only when a stop may have been sent since the connection began:
+        // this receiver has seen every value sent before, the one it began with too.
+        let stopping =
+            stopping_at_start || (stopped.has_changed().unwrap_or(true) && *stopped.borrow());
+        let keep_alive = keep_alive && !stopping;
         let request = (&method, version);
         match respond(&mut out, &mut head, &shared, resp, request, keep_alive).await {
             Ok(true) => {}

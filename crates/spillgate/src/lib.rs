@@ -17,6 +17,7 @@ pub mod h1;
 pub mod health;
 pub mod idle;
 pub mod metrics;
+pub mod now;
 pub mod priority;
 pub mod proxy;
 pub mod reload;

@@ -753,7 +753,7 @@ pub fn handle(
     // Made now, not where the attempts begin: the future then holds the headers once.
     let forwarded = Forwarded::new(headers, request_id);
     async move {
-        let started = tokio::time::Instant::now();
+        let started = crate::now::now();
         let snap = app.snapshot.load_full();
         let low = crate::priority::treated_as_low(&snap.config, forwarded.lines(), uri.query());
         let local = |response: Response| {
@@ -1495,8 +1495,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let deadline = route.deadline.or(routing.deadline);
     let deadline_at = deadline.map(|d| ctx.started + d);
     let max_attempts = routing.max_attempts.unwrap_or(u32::MAX);
-    let remaining =
-        || deadline_at.map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
+    let remaining = || deadline_at.map(|d| d.saturating_duration_since(crate::now::now()));
     let deadline_passed = || remaining().is_some_and(|r| r.is_zero());
 
     let mut rng = fastrand::Rng::new();
@@ -1534,7 +1533,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 outcome,
             } => {
                 // The wait never outlasts the deadline.
-                let wake = tokio::time::Instant::now() + wait;
+                let wake = crate::now::now() + wait;
                 tokio::time::sleep_until(deadline_at.map_or(wake, |d| d.min(wake))).await;
                 if deadline_passed() {
                     return Ended::DeadlineExceeded {
@@ -1822,7 +1821,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
         drop(token);
         // When the answer (or the failure) came: also when a served request's time to
         // its answer ends (see `finish`).
-        let answered_at = tokio::time::Instant::now();
+        let answered_at = crate::now::now();
         let now = app.clock.ms_at(answered_at);
         let (attempt, outcome, hint, response) = match result {
             Ok(resp) => {
@@ -2027,7 +2026,7 @@ fn give_up(
             attempts,
             response,
             reservation: None,
-            answered_at: tokio::time::Instant::now(),
+            answered_at: crate::now::now(),
         },
         None => Ended::Exhausted { attempts, failures },
     }
@@ -2348,7 +2347,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
     // The attempts' end: read by the attempt loop when a backend answered.
     let finished_at = match &ended {
         Ended::Served { answered_at, .. } => *answered_at,
-        _ => tokio::time::Instant::now(),
+        _ => crate::now::now(),
     };
     let elapsed = finished_at.saturating_duration_since(ctx.started);
     let elapsed_ms = elapsed.as_secs_f64() * 1000.0;
@@ -2435,11 +2434,12 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                 },
                 Counter::clone,
             );
-            let app_end = Arc::clone(app);
+            // Only a reservation needs the clock's base (an atomic count each way).
+            let app_end = reservation.as_ref().map(|_| Arc::clone(app));
             // One reading of the clock for all: the body's end, and its duration.
             let settle = move |used: Option<u64>, end: tokio::time::Instant, took: Duration| {
-                if let Some(r) = reservation {
-                    r.settle(used, app_end.clock.ms_at(end));
+                if let (Some(r), Some(app)) = (reservation, app_end) {
+                    r.settle(used, app.clock.ms_at(end));
                 }
                 if let Some(u) = used {
                     tokens.inc_by(u);
@@ -2465,7 +2465,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                 }
                 Taken::Partial(body) => {
                     let on_usage = move |used: Option<u64>| {
-                        let end = tokio::time::Instant::now();
+                        let end = crate::now::now();
                         settle(used, end, end.saturating_duration_since(started));
                     };
                     // The layers nest directly, boxed once at the top: each `Body::new`

@@ -439,7 +439,10 @@ impl Accept {
             // future through several layers as it spawns it and writes its stage over
             // (`Core::set_stage`) as it ends, eight copies of the whole future, about
             // 1,500 instructions a connection (callgrind); the box is copied into once.
-            tokio::spawn(Box::pin(conn).map(move |()| drop(permit)));
+            // Each poll reads the clock once (`crate::now`).
+            tokio::spawn(crate::now::OnePoll(
+                Box::pin(conn).map(move |()| drop(permit)),
+            ));
             // The new connection's request is usually there already: its task reads it and
             // sends it on before this loop calls `accept4` again, which mostly finds
             // nothing more and had delayed the request when it came first. Under a burst,

@@ -60,7 +60,7 @@ impl Clock {
     }
 
     pub fn now_ms(&self) -> u64 {
-        self.ms_at(tokio::time::Instant::now())
+        self.ms_at(crate::now::now())
     }
 
     /// `now_ms` at `at`, on the current base, for a caller that read the clock already

@@ -439,7 +439,7 @@ impl UpstreamClient {
             // request's future was no longer inlined into the attempt's, and the answer
             // came out of it through two more copies, about 200 instructions a request
             // (callgrind).
-            let now = Instant::now();
+            let now = crate::now::now();
             let at = now
                 .checked_add(timeout)
                 .or_else(|| now.checked_add(Duration::from_secs(30 * 365 * 86_400)))
@@ -565,7 +565,7 @@ impl Inner {
                 .map_err(|e| AttemptError::Connect(error_chain(&e)))?;
             tokio::spawn(drive(conn));
             let mut guard = lock(pool);
-            guard.put_shared(origin, h2.clone(), Instant::now());
+            guard.put_shared(origin, h2.clone(), crate::now::now());
             keep_reaped(pool, guard);
             Ok(Conn::H2(h2))
         } else {
@@ -909,7 +909,7 @@ impl h1::Release for GiveBack {
     fn release(self, conn: H1) {
         if let Some(pool) = self.pool.upgrade() {
             let mut guard = lock(&pool);
-            guard.put(&self.origin, conn, Instant::now());
+            guard.put(&self.origin, conn, crate::now::now());
             keep_reaped(&pool, guard);
         }
     }
