@@ -151,9 +151,9 @@ cargo test --workspace --bench '*'
 SMOKE=1 bench/overhead.sh
 # Two builds in alternation (here the debug build against itself), a pass of each.
 SMOKE=1 bench/ab.sh
-# Instructions (and simulated cache misses) per request under callgrind, nginx and the
-# gateway, one short run.
-SMOKE=1 CACHE=1 bench/instructions.sh
+# Instructions (and simulated cache misses, and atomic instructions) per request under
+# callgrind, nginx and the gateway, one short run.
+SMOKE=1 CACHE=1 LOCKS=1 TOP=5 bench/instructions.sh
 # Reading request bodies for their model: each kind of prompt read once.
 SMOKE=1 bench/body.sh
 # The profile-guided build's training load, a second of each, against the debug build.

@@ -12,6 +12,7 @@
 #   ONLY=json bench/instructions.sh  # one body only (json, sdk or sse)
 #   SPILLGATE_BIN=target/pgo/release/spillgate bench/instructions.sh  # that gateway binary
 #   CACHE=1 bench/instructions.sh  # also simulated cache misses per request (below)
+#   LOCKS=1 bench/instructions.sh  # also atomic read-modify-write instructions (below)
 #
 # `sdk` is the JSON request with the headers the OpenAI Python SDK sends, answered with
 # the six `x-ratelimit-*` headers Azure sends: what a gateway in production parses.
@@ -34,6 +35,13 @@
 # bench/README.md for comparing builds by the tasks' share of them). They tell
 # why a build's CPU time can move more than its instructions: code spread over more
 # lines, or data over more lines, waits for the next cache level more often.
+#
+# With LOCKS=1, the table also gives the atomic read-modify-write instructions each
+# request ran (those with a `lock` prefix, and `xchg` with memory, which locks without
+# one): in the program and in the libraries it calls. Each is counted as one
+# instruction, but costs 15-20 cycles even when no other core holds the line (about
+# 6.5 ns on the 2.5 GHz Xeon VM, `lock xadd` in a loop), so a build can run fewer
+# instructions and still take longer. With TOP, the spillgate functions that ran them.
 set -euo pipefail
 # Relative to where the script was called from, not to the repository it moves to.
 KEEP=${KEEP:+$(realpath -m "$KEEP")}
@@ -74,7 +82,9 @@ wait_port "$LIMITED_PORT"
 # Starts one target under callgrind; sets PORT and VG (valgrind's pid).
 start_target() { # target out backend_port
     PORT=$(free_port)
-    local cg=(valgrind --tool=callgrind --callgrind-out-file="$2" --dump-instr=no
+    local instr=no
+    [[ -n ${LOCKS:-} ]] && instr=yes
+    local cg=(valgrind --tool=callgrind --callgrind-out-file="$2" --dump-instr=$instr
         --compress-strings=no --compress-pos=no)
     [[ -n ${CACHE:-} ]] && cg+=(--cache-sim=yes)
     case $1 in
@@ -134,12 +144,69 @@ misses() { # file requests
         /^totals:/ { printf "%.0f %.0f", $col["I1mr"] / n, ($col["D1mr"] + $col["D1mw"]) / n }' "$1"
 }
 
+# Atomic read-modify-write instructions per request in a dump made with
+# --dump-instr=yes: "total in-program in-libraries"; with a count for `top`, then the
+# program's functions that ran the most, one "per-request function" line each. Each
+# object's code is read with objdump; callgrind gives addresses in it as objdump does.
+locked() { # file requests [top]
+    python3 - "$@" <<'EOF'
+import collections, os, re, subprocess, sys
+path, n = sys.argv[1], int(sys.argv[2])
+top = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+runs = collections.defaultdict(collections.Counter)  # object -> address -> count
+names = {}
+ob = fn = main = None
+call = False
+for line in open(path, errors="replace"):
+    if line.startswith("ob="):
+        ob = line[3:].strip()
+    elif line.startswith("fn="):
+        fn = line[3:].strip()
+    elif line.startswith("cmd:"):
+        main = os.path.basename(line.split()[1])
+    elif line.startswith("calls="):
+        call = True
+    elif line.startswith("0x"):
+        if call:
+            call = False
+            continue
+        parts = line.split()
+        if len(parts) > 2 and ob:
+            addr = int(parts[0], 16)
+            runs[ob][addr] += int(parts[2])
+            names[(ob, addr)] = fn
+lock = re.compile(r"^\s*([0-9a-f]+):\s+(lock |xchg\s+\S*\()")
+total = in_main = 0
+by_fn = collections.Counter()
+for obj, counts in runs.items():
+    try:
+        dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        continue
+    for l in dis.splitlines():
+        m = lock.match(l)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        if addr in counts:
+            total += counts[addr]
+            if os.path.basename(obj) == main:
+                in_main += counts[addr]
+                by_fn[names[(obj, addr)]] += counts[addr]
+print(f"{total / n:.0f} {in_main / n:.0f} {(total - in_main) / n:.0f}")
+for f, c in by_fn.most_common(top):
+    print(f"{c / n:.1f} {f[:110]}")
+EOF
+}
+
 # vs <a> <b>: a/b as a ratio ("-" without b).
 vs() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b>0) printf "%.2f×", a/b; else print "-" }'; }
 
 FAILED=0
 declare -A IR=()
 declare -A MISS=()
+declare -A LK=()
 if [[ -n ${CACHE:-} ]]; then
     echo "| body | target | requests counted | instructions per request | vs nginx | tasks' own per request | I1 misses per request | vs nginx | D1 misses per request | vs nginx |"
     echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -185,6 +252,16 @@ for body in "${BODIES[@]}"; do
         else
             echo "| $body | $target | $requests | ${IR[$target.$body]} | $ratio | $tasks |"
         fi
+        if [[ -n ${LOCKS:-} ]]; then
+            locked "$out.1" "$requests" "$([[ $target == spillgate ]] && echo "${TOP:-0}" || echo 0)" >"$WORK/locked-$target-$body"
+            LK[$target.$body]=$(head -1 "$WORK/locked-$target-$body")
+            # The gateway always runs some (reference counts): none found means the
+            # dump's addresses were not matched to its code.
+            if [[ $target == spillgate && $(cut -d' ' -f2 <<<"${LK[$target.$body]}") == 0 ]]; then
+                echo "instructions.sh: no atomic instructions found in $GATEWAY's dump" >&2
+                FAILED=1
+            fi
+        fi
         if [[ -n ${KEEP:-} ]]; then
             mkdir -p "$KEEP"
             cp "$out.1" "$KEEP/$target-$body.callgrind"
@@ -199,6 +276,33 @@ done
 if [[ -f $WORK/caches ]]; then
     echo
     echo "Simulated caches (callgrind, from this CPU): $(paste -sd ';' "$WORK/caches" | sed 's/;/; /')."
+fi
+
+if [[ -n ${LOCKS:-} ]]; then
+    echo
+    echo "Atomic read-modify-write instructions per request (per stream for SSE):"
+    echo
+    echo "| body | target | in all | in the program | in libraries | vs nginx |"
+    echo "|---|---|---:|---:|---:|---:|"
+    for body in "${BODIES[@]}"; do
+        for target in nginx spillgate; do
+            [[ -n ${LK[$target.$body]:-} ]] || continue
+            read -r all own libs <<<"${LK[$target.$body]}"
+            read -r nall _ <<<"${LK[nginx.$body]:-0 0}"
+            echo "| $body | $target | $all | $own | $libs | $(vs "$all" "$nall") |"
+        done
+    done
+    if [[ -n ${TOP:-} ]]; then
+        for body in "${BODIES[@]}"; do
+            [[ -f $WORK/locked-spillgate-$body ]] || continue
+            echo
+            echo "spillgate's functions that ran them, $body:"
+            echo
+            echo "| per request | function |"
+            echo "|---:|---|"
+            tail -n +2 "$WORK/locked-spillgate-$body" | awk '{c = $1; $1 = ""; sub(/^ /, ""); printf "| %s | `%s` |\n", c, $0}'
+        done
+    fi
 fi
 
 if [[ -n ${TOP:-} ]]; then
