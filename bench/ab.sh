@@ -10,6 +10,7 @@
 #                                       # Azure's x-ratelimit-* headers
 #   ROUNDS=8 PASS_SECS=4 bench/ab.sh 20ee176  # passes of each build (6), seconds each (4)
 #   SMOKE=1 bench/ab.sh                 # seconds, the debug build against itself
+#   AB_PASSES=1 bench/ab.sh 20ee176     # also print each pass's CPU µs a request
 #   SPILLGATE_BIN=target/pgo/release/spillgate bench/ab.sh HEAD
 #                                       # that binary (bench/pgo.sh's) in place of the
 #                                       # working tree's plain release build
@@ -100,5 +101,13 @@ echo "| $OLD_NAME | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${old
 NEW_NAME="working tree"
 [[ -n ${SPILLGATE_BIN:-} ]] && NEW_NAME=$SPILLGATE_BIN
 echo "| $NEW_NAME | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${new_rps[@]}") | $(median_range %.2f "${new_cpu[@]}") |"
+# Each round's two passes ran back to back: their ratio leaves out what the machine's
+# speed did between rounds, which on a busy VM moved both builds by 2-3× within a run.
+paired=()
+for i in "${!new_cpu[@]}"; do
+    paired+=("$(awk -v a="${new_cpu[$i]}" -v b="${old_cpu[$i]}" 'BEGIN {printf "%.4f", a / b}')")
+done
 echo
 echo "CPU a request, $NEW_NAME against $OLD_NAME (medians): ${ratio}×"
+echo "The same, round by round (median of the rounds' ratios, with their range): $(median_range %.3f× "${paired[@]}")"
+[[ -n ${AB_PASSES:-} ]] && { echo "old CPU: ${CPU[old]}"; echo "new CPU: ${CPU[new]}"; }
