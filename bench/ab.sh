@@ -110,4 +110,7 @@ done
 echo
 echo "CPU a request, $NEW_NAME against $OLD_NAME (medians): ${ratio}×"
 echo "The same, round by round (median of the rounds' ratios, with their range): $(median_range %.3f× "${paired[@]}")"
-[[ -n ${AB_PASSES:-} ]] && { echo "old CPU: ${CPU[old]}"; echo "new CPU: ${CPU[new]}"; }
+if [[ -n ${AB_PASSES:-} ]]; then
+    echo "old CPU: ${CPU[old]}"
+    echo "new CPU: ${CPU[new]}"
+fi

@@ -52,6 +52,9 @@ ROOT=$PWD
 need valgrind valgrind
 need wrk wrk
 need nginx nginx-light
+if [[ -n ${LOCKS:-} ]]; then
+    need objdump binutils
+fi
 export PATH=$PATH:/usr/sbin
 
 WARM=2
@@ -114,9 +117,12 @@ top_functions() { # file requests count
 import collections, sys
 path, n, top = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cost = collections.Counter()
-fn, call = None, False
+fn, call, ir = None, False, 1
 for line in open(path, errors="replace"):
-    if line.startswith("fn="):
+    if line.startswith("positions:"):
+        # The first event (Ir) follows the positions: "line", or "instr line" (LOCKS).
+        ir = len(line.split()) - 1
+    elif line.startswith("fn="):
         fn = line[3:].strip()
     elif line.startswith("calls="):
         call = True
@@ -124,7 +130,7 @@ for line in open(path, errors="replace"):
         if call:
             call = False
         elif fn is not None:
-            cost[fn] += int(line.split()[1])
+            cost[fn] += int(line.split()[ir])
 total = sum(cost.values())
 for f, c in cost.most_common(top):
     print(f"| {c / n:,.0f} | {100 * c / total:.1f}% | `{f[:110]}` |")
@@ -156,9 +162,12 @@ top = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 runs = collections.defaultdict(collections.Counter)  # object -> address -> count
 names = {}
 ob = fn = main = None
-call = False
+call, ir = False, 2
 for line in open(path, errors="replace"):
-    if line.startswith("ob="):
+    if line.startswith("positions:"):
+        # "instr line": the address, then the line, then Ir.
+        ir = len(line.split()) - 1
+    elif line.startswith("ob="):
         ob = line[3:].strip()
     elif line.startswith("fn="):
         fn = line[3:].strip()
@@ -171,9 +180,9 @@ for line in open(path, errors="replace"):
             call = False
             continue
         parts = line.split()
-        if len(parts) > 2 and ob:
+        if len(parts) > ir and ob:
             addr = int(parts[0], 16)
-            runs[ob][addr] += int(parts[2])
+            runs[ob][addr] += int(parts[ir])
             names[(ob, addr)] = fn
 lock = re.compile(r"^\s*([0-9a-f]+):\s+(lock |xchg\s+\S*\()")
 total = in_main = 0

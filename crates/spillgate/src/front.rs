@@ -807,8 +807,10 @@ pub async fn serve<H, F, B>(
             slot.finish(resp.length_known());
             (resp, method, version, keep_alive)
         };
-        // Read (a lock) only when a stop may have been sent since the connection began:
-        // this receiver has seen every value sent before, the one it began with too.
+        // Read (a lock) only when a stop may have been sent: `has_changed` says so for
+        // any value sent since the receiver this one was cloned from last looked (it
+        // counts versions, no lock), and a stop that receiver had seen was read once at
+        // the connection's start.
         let stopping =
             stopping_at_start || (stopped.has_changed().unwrap_or(true) && *stopped.borrow());
         let keep_alive = keep_alive && !stopping;

@@ -289,8 +289,9 @@ impl Metrics {
 /// Each thread also keeps the handles it used in a map of its own ([`LOCAL`]): the shared
 /// map's read lock was two atomic read-modify-write instructions per update, and such
 /// an instruction costs 15-20 cycles however uncontended (a JSON request made five
-/// updates). A thread's map is keyed by the cache's id as well, unique to the cache, so
-/// a handle never outlives its snapshot's meaning of a key.
+/// updates). A thread's map is keyed by the cache's id as well, unique to the cache: a
+/// reloaded config's caches never find an old one's handles, which stay in the map,
+/// unused, until it is full and starts again ([`LOCAL_HANDLES`]).
 pub struct HandleCache<M> {
     id: u64,
     map: std::sync::RwLock<HashMap<u64, M, BuildHasherDefault<KeyHasher>>>,
@@ -352,7 +353,8 @@ impl Handle for Histogram {
 
 /// A thread's map holds at most this many handles; past it, it starts again empty. Only
 /// config reloads make it grow past what one snapshot's caches hold (their handles stay
-/// in it under their old caches' ids until then).
+/// in it under their old caches' ids until then). The keys are bounded by the config
+/// (backends, clients, status classes, priorities, models named in it): far fewer.
 const LOCAL_HANDLES: usize = 4096;
 
 type LocalMap = HashMap<(u64, u64), LocalHandle, BuildHasherDefault<KeyHasher>>;
@@ -367,16 +369,20 @@ impl<M: Handle> HandleCache<M> {
     /// the first time.
     pub fn with<R>(&self, key: u64, make: impl FnOnce() -> M, mut f: impl FnMut(&M) -> R) -> R {
         let local = (self.id, key);
-        let found = LOCAL.with(|map| {
-            let map = map.try_borrow().ok()?;
-            Some(f(M::from_local(map.get(&local)?)?))
-        });
+        // `try_with`: while the thread's storage is torn down, the shared map serves.
+        let found = LOCAL
+            .try_with(|map| {
+                let map = map.try_borrow().ok()?;
+                Some(f(M::from_local(map.get(&local)?)?))
+            })
+            .ok()
+            .flatten();
         if let Some(r) = found {
             return r;
         }
         let m = self.shared(key, make);
         let r = f(&m);
-        LOCAL.with(|map| {
+        let _ = LOCAL.try_with(|map| {
             if let Ok(mut map) = map.try_borrow_mut() {
                 if map.len() >= LOCAL_HANDLES {
                     map.clear();
@@ -469,6 +475,16 @@ mod tests {
         assert_eq!(series("a").get(), 3);
         assert_eq!(series("b").get(), 30);
         assert_eq!(made.get(), 2);
+        // Found in this thread's own map, each under its cache.
+        let local = |cache: &HandleCache<Counter>| {
+            LOCAL.with(|m| {
+                matches!(
+                    m.borrow().get(&(cache.id, 7)),
+                    Some(LocalHandle::Counter(_))
+                )
+            })
+        };
+        assert!(local(&a) && local(&b));
         // Another thread: its own map is empty, the shared one has the handles.
         std::thread::scope(|s| {
             s.spawn(|| {
@@ -497,6 +513,7 @@ mod tests {
             for i in [0, 1, n / 2, n - 1] {
                 assert_eq!(family.get_or_create(&label(i)).get(), round + 1, "key {i}");
             }
+            assert!(LOCAL.with(|m| m.borrow().len()) <= LOCAL_HANDLES);
         }
         // Kinds do not mix: a histogram cache's handles are its own.
         let histograms: Family<Labels, Histogram> = Family::new_with_constructor(latency_histogram);
