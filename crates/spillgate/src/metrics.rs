@@ -515,7 +515,7 @@ mod tests {
             }
             assert!(LOCAL.with(|m| m.borrow().len()) <= LOCAL_HANDLES);
         }
-        // Kinds do not mix: a histogram cache's handles are its own.
+        // A histogram cache keeps its handles the same way.
         let histograms: Family<Labels, Histogram> = Family::new_with_constructor(latency_histogram);
         let h = HandleCache::<Histogram>::default();
         for _ in 0..2 {
