@@ -1598,6 +1598,24 @@ mod tests {
         assert!(!lock(&s.task).as_ref().unwrap().is_finished());
     }
 
+    /// The developer credential runs `az` through azure_identity's default executor. It
+    /// must not need tokio's process driver: the gateway's tokio is built without one
+    /// (see the workspace's Cargo.toml), and a tokio child process on a runtime without
+    /// it panics.
+    #[test]
+    fn the_default_executor_runs_a_program_without_a_tokio_process_driver() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let args: [&std::ffi::OsStr; 2] = ["-c".as_ref(), "echo token".as_ref()];
+        let out = rt
+            .block_on(azure_identity::new_executor().run("/bin/sh".as_ref(), &args))
+            .unwrap();
+        assert!(out.status.success());
+        assert_eq!(out.stdout, b"token\n");
+    }
+
     #[test]
     fn tokens_never_print() {
         let t = BearerToken::new(

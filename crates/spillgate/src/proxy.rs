@@ -1496,7 +1496,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let deadline_at = deadline.map(|d| ctx.started + d);
     let max_attempts = routing.max_attempts.unwrap_or(u32::MAX);
     let remaining = || deadline_at.map(|d| d.saturating_duration_since(crate::now::now()));
-    let deadline_passed = || remaining().is_some_and(|r| r.is_zero());
+    // Compared, not subtracted: a subtraction of instants is 37 instructions
+    // (callgrind), and with a deadline set this is asked twice an attempt.
+    let deadline_passed = || deadline_at.is_some_and(|d| crate::now::now() >= d);
 
     let mut rng = fastrand::Rng::new();
     // On the stack for the first four attempts.
