@@ -182,6 +182,74 @@ impl<B> Request<B> {
     }
 }
 
+/// A request's body as the proxy reads it: a client connection's own
+/// ([`RequestBody`]) as it is, any other (the tests', a simulation's) as a `Body`. Not
+/// boxed as a `Body` for a connection's: that was an allocation and its free for every
+/// request, and a dynamic call and an error conversion for each poll of it.
+pub struct ClientBody(ClientKind);
+
+enum ClientKind {
+    Wire(RequestBody),
+    Other(axum::body::Body),
+}
+
+impl ClientBody {
+    /// `body`, kept as it is when it is a connection's own.
+    pub fn new<B>(body: B) -> ClientBody
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<axum::BoxError>,
+    {
+        let mut body = Some(body);
+        let wire = (&mut body as &mut dyn std::any::Any)
+            .downcast_mut::<Option<RequestBody>>()
+            .and_then(Option::take);
+        match (wire, body) {
+            (Some(wire), _) => ClientBody(ClientKind::Wire(wire)),
+            (None, Some(other)) => ClientBody(ClientKind::Other(axum::body::Body::new(other))),
+            // Taken only when it was a connection's (the first arm).
+            (None, None) => ClientBody(ClientKind::Other(axum::body::Body::empty())),
+        }
+    }
+}
+
+impl From<axum::body::Body> for ClientBody {
+    fn from(body: axum::body::Body) -> ClientBody {
+        ClientBody(ClientKind::Other(body))
+    }
+}
+
+impl http_body::Body for ClientBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        match &mut self.get_mut().0 {
+            ClientKind::Wire(b) => Pin::new(b)
+                .poll_frame(cx)
+                .map(|frame| frame.map(|f| f.map_err(axum::Error::new))),
+            ClientKind::Other(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.0 {
+            ClientKind::Wire(b) => b.is_end_stream(),
+            ClientKind::Other(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.0 {
+            ClientKind::Wire(b) => b.size_hint(),
+            ClientKind::Other(b) => b.size_hint(),
+        }
+    }
+}
+
 /// A request's body, read from its connection as the handler polls it.
 pub struct RequestBody {
     /// `None` once the body has ended (or when there is none).
@@ -2209,6 +2277,23 @@ mod tests {
         assert_eq!(chunk_line(&mut b, 10), b"a\r\n");
         assert_eq!(chunk_line(&mut b, 0x1f3), b"1f3\r\n");
         assert_eq!(chunk_line(&mut b, usize::MAX), b"ffffffffffffffff\r\n");
+    }
+
+    #[tokio::test]
+    async fn a_connections_body_reaches_the_proxy_unboxed_and_any_other_boxed() {
+        use http_body_util::BodyExt;
+        let wire = RequestBody {
+            input: None,
+            hint: SizeHint::with_exact(0),
+        };
+        let body = ClientBody::new(wire);
+        assert!(matches!(body.0, ClientKind::Wire(_)));
+        assert!(body.is_end_stream());
+        let other = ClientBody::new(Full::new(Bytes::from_static(b"abc")));
+        assert!(matches!(other.0, ClientKind::Other(_)));
+        assert_eq!(other.size_hint().exact(), Some(3));
+        let read = other.collect().await.unwrap().to_bytes();
+        assert_eq!(read, Bytes::from_static(b"abc"));
     }
 
     #[test]

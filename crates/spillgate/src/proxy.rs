@@ -33,7 +33,7 @@ use crate::auth::{Client, CLIENT_CREDENTIAL_HEADERS};
 use crate::coalesce::Joined;
 use crate::entra::{BearerToken, Refusal, TokenError};
 use crate::errors::GatewayError;
-use crate::front::{self, Reply, ReplyBody};
+use crate::front::{self, ClientBody, Reply, ReplyBody};
 use crate::h1;
 use crate::metrics::{Label, Labels};
 use crate::state::{BackendState, CapacityProbe, Cooled, Probe, ProbeGuard, Reservation};
@@ -740,7 +740,7 @@ fn missing_model(method: &Method, path: &str) -> GatewayError {
 /// only.
 pub fn handle(
     app: Arc<App>,
-    req: front::Request<Body>,
+    req: front::Request<ClientBody>,
     request_id: RequestId,
 ) -> impl Future<Output = Reply<Body>> + Send {
     let front::Request {
@@ -971,7 +971,7 @@ const DRAIN_LIMIT: usize = 64 * 1024;
 /// the connection while the client was still sending, the kernel would reset it and the
 /// client could lose the answer; so a small body is read and dropped first (bounded in
 /// size and time), and a large one gets `Connection: close` instead.
-async fn reject_unread(mut resp: Response, body: Body) -> Response {
+async fn reject_unread(mut resp: Response, body: ClientBody) -> Response {
     if declared_len(&body) > DRAIN_LIMIT as u64 {
         resp.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -992,13 +992,13 @@ async fn reject_unread(mut resp: Response, body: Body) -> Response {
 /// The least a request body can hold: the length its `Content-Length` declared (read by
 /// the connection, which refused conflicting values), 0 when chunked. Its size hint: the
 /// headers were read for it once already.
-fn declared_len(body: &Body) -> u64 {
+fn declared_len(body: &ClientBody) -> u64 {
     http_body::Body::size_hint(body).lower()
 }
 
 /// Reads the whole request body, refusing it with 413 before any upstream call when it is
 /// larger than the limit.
-async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Bytes, GatewayError> {
+async fn read_body(body: ClientBody, max: usize, timeout: Duration) -> Result<Bytes, GatewayError> {
     let too_large = || {
         GatewayError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -1050,7 +1050,7 @@ enum BodyRead {
 /// The whole body, at most `max` bytes of data (trailers are dropped). A body that
 /// arrives as one piece, as most do, is that piece itself: nothing is copied or gathered
 /// into a list first.
-async fn collect_body(mut body: Body, max: usize) -> Result<Bytes, BodyRead> {
+async fn collect_body(mut body: ClientBody, max: usize) -> Result<Bytes, BodyRead> {
     let mut whole = Joined::Empty;
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.map_err(|_| BodyRead::Broken)?.into_data() else {
@@ -2703,12 +2703,12 @@ mod tests {
         );
     }
 
-    fn body_of(pieces: &[&'static str]) -> Body {
+    fn body_of(pieces: &[&'static str]) -> ClientBody {
         let frames: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = pieces
             .iter()
             .map(|p| Ok(http_body::Frame::data(Bytes::from_static(p.as_bytes()))))
             .collect();
-        Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+        ClientBody::new(http_body_util::StreamBody::new(futures_util::stream::iter(
             frames,
         )))
     }
@@ -2728,7 +2728,7 @@ mod tests {
             collect_body(body_of(&["ab", "cde"]), 4).await,
             Err(BodyRead::TooLarge)
         );
-        let broken = Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+        let broken = ClientBody::new(http_body_util::StreamBody::new(futures_util::stream::iter(
             vec![
                 Ok(http_body::Frame::data(Bytes::from_static(b"ab"))),
                 Err(std::io::Error::other("cut")),

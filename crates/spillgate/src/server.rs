@@ -73,7 +73,7 @@ impl Gateway {
         B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
         B::Error: Into<axum::BoxError>,
     {
-        let req = req.map(axum::body::Body::new);
+        let req = req.map(crate::front::ClientBody::new);
         let probes = matches!(req.uri.path(), "/healthz" | "/readyz").then(|| self.probes.clone());
         serve(Arc::clone(&self.app), probes, req)
     }
@@ -135,7 +135,7 @@ fn new_request_id() -> RequestId {
 fn serve(
     app: Arc<App>,
     probes: Option<Router>,
-    req: Request<axum::body::Body>,
+    req: Request<crate::front::ClientBody>,
 ) -> impl Future<Output = Reply<axum::body::Body>> + Send {
     use futures_util::future::Either;
     use tower::ServiceExt;
