@@ -213,12 +213,6 @@ impl ClientBody {
     }
 }
 
-impl From<axum::body::Body> for ClientBody {
-    fn from(body: axum::body::Body) -> ClientBody {
-        ClientBody(ClientKind::Other(body))
-    }
-}
-
 impl http_body::Body for ClientBody {
     type Data = Bytes;
     type Error = axum::Error;
