@@ -1599,9 +1599,9 @@ mod tests {
     }
 
     /// The developer credential runs `az` through azure_identity's default executor. It
-    /// must not need tokio's process driver: the gateway's tokio is built without one
-    /// (see the workspace's Cargo.toml), and a tokio child process on a runtime without
-    /// it panics.
+    /// must not be a tokio child process: the gateway's tokio is built without process
+    /// support (see the workspace's Cargo.toml). A tokio child process needs the
+    /// runtime's I/O driver, and panics on a runtime without one, as this one is.
     #[test]
     fn the_default_executor_runs_a_program_without_a_tokio_process_driver() {
         let rt = tokio::runtime::Builder::new_current_thread()

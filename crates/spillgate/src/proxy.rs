@@ -1497,7 +1497,8 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let max_attempts = routing.max_attempts.unwrap_or(u32::MAX);
     let remaining = || deadline_at.map(|d| d.saturating_duration_since(crate::now::now()));
     // Compared, not subtracted: a subtraction of instants is 37 instructions
-    // (callgrind), and with a deadline set this is asked twice an attempt.
+    // (callgrind), and with a deadline set this is asked at each attempt's start and
+    // again after a wait.
     let deadline_passed = || deadline_at.is_some_and(|d| crate::now::now() >= d);
 
     let mut rng = fastrand::Rng::new();
