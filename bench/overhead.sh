@@ -10,6 +10,7 @@
 #   SPILLGATE_BIN=target/pgo/release/spillgate bench/overhead.sh  # measure that gateway
 #                                # binary (bench/pgo.sh's build) instead of the release build
 #   ONLY=streams bench/overhead.sh  # the stream measurements only (first event, RSS)
+#   ONLY=passes bench/overhead.sh   # the headline passes only (json, sse, sdk)
 #   TTFB_CLIENT=ttfb-kept ONLY=streams bench/overhead.sh  # first event from a blocking
 #                                # client on kept-alive connections (bench/streams.py)
 #
@@ -20,7 +21,9 @@
 # - the 0 ms, 64-connection figures again, in PASSES short passes (PASS_SECS each) that
 #   alternate nginx and spillgate: medians and ranges of throughput, CPU per request
 #   (also split into user and kernel time) and their ratios, the figures to quote on a
-#   shared machine;
+#   shared machine; for the JSON and SSE bodies as wrk sends them, and for `sdk`: the
+#   JSON body with the OpenAI Python SDK's headers, to a backend that answers with
+#   Azure's six `x-ratelimit-*` headers;
 # - one connection with wrk pinned to one core (the added-latency floor), in PIN_PASSES
 #   passes of PASS_SECS, the targets taking turns to go first: medians and ranges of
 #   p50, p99 and what each proxy adds to direct's in the same pass;
@@ -131,39 +134,42 @@ over() {
 # spillgate (each goes first in every other pass), against the 0 ms backend at 64
 # connections: on a shared machine one pass of each moves by 10-30%, so the median of
 # the passes' ratios, with their range, is what to quote. Rows go to $WORK/passes.md.
-alternate() { # nginx_port nginx_pids spillgate_port spillgate_pids
-    local body payload r order target port pids before after n rps err cpu user sys
+# `body` is json, sse, or sdk: the JSON body with the headers the OpenAI Python SDK
+# sends, to a backend that answers with Azure's six `x-ratelimit-*` headers (what a
+# gateway in production parses; the proxies in front of a mock started with MOCK_LIMITS).
+alternate() { # body nginx_port nginx_pids spillgate_port spillgate_pids
+    local body=$1 payload=$JSON headers="" r order target port pids before after n rps err cpu user sys
     local nr nc nu nsys sr sc su ssys
-    for body in "${BODIES[@]}"; do
-        payload=$JSON; [[ $body == sse ]] && payload=$SSE
-        local rn=() rs=() cn=() cs=() ratio=() cratio=() un=() us=() sn=() ss=()
-        for r in $(seq 1 "$PASSES"); do
-            order="nginx spillgate"; (( r % 2 == 0 )) && order="spillgate nginx"
-            declare -A M=()
-            for target in $order; do
-                if [[ $target == nginx ]]; then port=$1; pids=$2; else port=$3; pids=$4; fi
-                before=$(cpu_of "$pids")
-                read -r rps _ _ _ err n <<<"$(DURATION=$PASS_SECS measure "http://127.0.0.1:$port/v1/chat/completions" "$payload" 64)"
-                after=$(cpu_of "$pids")
-                if [[ -z $n || $n -le 0 ]]; then
-                    echo "overhead.sh: $target served nothing in a pass ($body)" >&2
-                    exit 1
-                fi
-                check_errors "$err" "$target passes $body"
-                # Microseconds a request (n > 0, checked above): user+sys, user, sys.
-                read -r cpu user sys <<<"$(echo "$before $after" | awk -v n="$n" '{
-                    printf "%.2f %.2f %.2f", ($3+$4-$1-$2)*1e6/n, ($3-$1)*1e6/n, ($4-$2)*1e6/n }')"
-                M[$target]="$rps $cpu $user $sys"
-            done
-            read -r nr nc nu nsys <<<"${M[nginx]}"; read -r sr sc su ssys <<<"${M[spillgate]}"
-            rn+=("$nr"); rs+=("$sr"); cn+=("$nc"); cs+=("$sc")
-            un+=("$nu"); us+=("$su"); sn+=("$nsys"); ss+=("$ssys")
-            ratio+=("$(awk -v a="$sr" -v b="$nr" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
-            cratio+=("$(awk -v a="$sc" -v b="$nc" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
-            unset M
+    [[ $body == sse ]] && payload=$SSE
+    [[ $body == sdk ]] && headers=$SDK_HEADERS
+    shift
+    local rn=() rs=() cn=() cs=() ratio=() cratio=() un=() us=() sn=() ss=()
+    for r in $(seq 1 "$PASSES"); do
+        order="nginx spillgate"; (( r % 2 == 0 )) && order="spillgate nginx"
+        declare -A M=()
+        for target in $order; do
+            if [[ $target == nginx ]]; then port=$1; pids=$2; else port=$3; pids=$4; fi
+            before=$(cpu_of "$pids")
+            read -r rps _ _ _ err n <<<"$(HEADERS=$headers DURATION=$PASS_SECS measure "http://127.0.0.1:$port/v1/chat/completions" "$payload" 64)"
+            after=$(cpu_of "$pids")
+            if [[ -z $n || $n -le 0 ]]; then
+                echo "overhead.sh: $target served nothing in a pass ($body)" >&2
+                exit 1
+            fi
+            check_errors "$err" "$target passes $body"
+            # Microseconds a request (n > 0, checked above): user+sys, user, sys.
+            read -r cpu user sys <<<"$(echo "$before $after" | awk -v n="$n" '{
+                printf "%.2f %.2f %.2f", ($3+$4-$1-$2)*1e6/n, ($3-$1)*1e6/n, ($4-$2)*1e6/n }')"
+            M[$target]="$rps $cpu $user $sys"
         done
-        echo "| $body | $PASSES × ${PASS_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") | $(median_range %.1f "${un[@]}") | $(median_range %.1f "${us[@]}") | $(median_range %.1f "${sn[@]}") | $(median_range %.1f "${ss[@]}") |" >>"$WORK/passes.md"
+        read -r nr nc nu nsys <<<"${M[nginx]}"; read -r sr sc su ssys <<<"${M[spillgate]}"
+        rn+=("$nr"); rs+=("$sr"); cn+=("$nc"); cs+=("$sc")
+        un+=("$nu"); us+=("$su"); sn+=("$nsys"); ss+=("$ssys")
+        ratio+=("$(awk -v a="$sr" -v b="$nr" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
+        cratio+=("$(awk -v a="$sc" -v b="$nc" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
+        unset M
     done
+    echo "| $body | $PASSES × ${PASS_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") | $(median_range %.1f "${un[@]}") | $(median_range %.1f "${us[@]}") | $(median_range %.1f "${sn[@]}") | $(median_range %.1f "${ss[@]}") |" >>"$WORK/passes.md"
 }
 
 # The 1-connection passes (see where it is called); rows go to $WORK/pinned.md.
@@ -198,6 +204,7 @@ BODIES=(json sse)
 CONNS=(64 512)
 if [[ -n ${SMOKE:-} ]]; then LATENCIES=(0); BODIES=(json); CONNS=(64); fi
 if [[ ${ONLY:-} == streams ]]; then LATENCIES=(); fi
+if [[ ${ONLY:-} == passes ]]; then LATENCIES=(0); CONNS=(); fi
 
 for lat in "${LATENCIES[@]}"; do
     start_mock "$lat"; mport=$PORT; wait_port "$mport"
@@ -248,8 +255,13 @@ for lat in "${LATENCIES[@]}"; do
     # PASS_SECS, each target going first in turn; what a proxy adds is its p99 (p50)
     # less direct's in the same pass, and the table gives medians and ranges.
     if [[ $lat == 0 ]]; then
-        pinned "$mport" "$nport" "$sport"
-        alternate "$nport" "$npid" "$sport" "$spid"
+        [[ ${ONLY:-} == passes ]] || pinned "$mport" "$nport" "$sport"
+        for body in "${BODIES[@]}"; do alternate "$body" "$nport" "$npid" "$sport" "$spid"; done
+        # The same JSON request as the SDK sends it, to a backend with Azure's headers.
+        MOCK_LIMITS=1 start_mock 0; lport=$PORT; wait_port "$lport"
+        start_nginx "$lport"; lnport=$PORT; wait_port "$lnport"
+        start_spillgate "$lport"; lsport=$PORT; wait_port "$lsport"
+        alternate sdk "$lnport" "$(worker_pids "${PIDS[-2]}")" "$lsport" "$(pid_on "$lsport")"
     fi
 done
 
@@ -265,6 +277,7 @@ if [[ -s $WORK/pinned.md ]]; then
     echo "|---|---:|---:|---:|---:|---:|---:|---:|"
     cat "$WORK/pinned.md"
 fi
+[[ ${ONLY:-} == passes ]] && exit "$FAILED"
 
 # ---------------------------------------------------------------------------
 # Streams: time to the first event, and many streams open at once.
