@@ -254,14 +254,18 @@ for lat in "${LATENCIES[@]}"; do
     # 0.09-0.19 ms in three runs in a row), so it runs in PIN_PASSES passes of
     # PASS_SECS, each target going first in turn; what a proxy adds is its p99 (p50)
     # less direct's in the same pass, and the table gives medians and ranges.
+    # Then the headline passes (see `alternate`) for each body, and for `sdk` in front of
+    # a mock of their own that sends Azure's headers.
     if [[ $lat == 0 ]]; then
         [[ ${ONLY:-} == passes ]] || pinned "$mport" "$nport" "$sport"
         for body in "${BODIES[@]}"; do alternate "$body" "$nport" "$npid" "$sport" "$spid"; done
-        # The same JSON request as the SDK sends it, to a backend with Azure's headers.
         MOCK_LIMITS=1 start_mock 0; lport=$PORT; wait_port "$lport"
         start_nginx "$lport"; lnport=$PORT; wait_port "$lnport"
         start_spillgate "$lport"; lsport=$PORT; wait_port "$lsport"
-        alternate sdk "$lnport" "$(worker_pids "${PIDS[-2]}")" "$lsport" "$(pid_on "$lsport")"
+        # Assigned first, so that a failure to find them stops the script.
+        lnpid=$(worker_pids "${PIDS[-2]}")
+        lspid=$(pid_on "$lsport")
+        alternate sdk "$lnport" "$lnpid" "$lsport" "$lspid"
     fi
 done
 
