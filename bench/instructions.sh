@@ -230,7 +230,10 @@ for body in "${BODIES[@]}"; do
     for target in nginx spillgate; do
         out="$WORK/cg-$target-$body.out"
         start_target "$target" "$out" "$backend"
-        load "$PORT" "$payload" "$WARM" "$headers" >/dev/null
+        # A warm-up that fails (wrk exits 1 when its first connection does) is said, not
+        # a silent exit: the measured load after it reports what it served.
+        load "$PORT" "$payload" "$WARM" "$headers" >/dev/null ||
+            echo "instructions.sh: $target $body: the warm-up load failed" >&2
         callgrind_control -z "$VG" >/dev/null 2>&1 || true
         read -r requests errors <<<"$(load "$PORT" "$payload" "$DURATION" "$headers")"
         callgrind_control -d "$VG" >/dev/null 2>&1 || true
