@@ -196,15 +196,18 @@ pinned() { # mock_port nginx_port spillgate_port
     done
 }
 
-echo "| backend latency | body | conns | target | req/s | p50 ms | p99 ms | p99.9 ms | p99 added ms | vs nginx | vs direct | proxy CPU µs/req | proxy CPU s/10k req | proxy peak RSS MB | errors |"
-echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-
 LATENCIES=(0 50)
 BODIES=(json sse)
 CONNS=(64 512)
 if [[ -n ${SMOKE:-} ]]; then LATENCIES=(0); BODIES=(json); CONNS=(64); fi
 if [[ ${ONLY:-} == streams ]]; then LATENCIES=(); fi
 if [[ ${ONLY:-} == passes ]]; then LATENCIES=(0); CONNS=(); fi
+
+# The main table, when there is one (not with ONLY).
+if [[ ${#LATENCIES[@]} -gt 0 && ${#CONNS[@]} -gt 0 ]]; then
+    echo "| backend latency | body | conns | target | req/s | p50 ms | p99 ms | p99.9 ms | p99 added ms | vs nginx | vs direct | proxy CPU µs/req | proxy CPU s/10k req | proxy peak RSS MB | errors |"
+    echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+fi
 
 for lat in "${LATENCIES[@]}"; do
     start_mock "$lat"; mport=$PORT; wait_port "$mport"
