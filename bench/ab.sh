@@ -109,7 +109,7 @@ for i in "${!new_cpu[@]}"; do
 done
 echo
 echo "CPU a request, $NEW_NAME against $OLD_NAME (medians): ${ratio}×"
-echo "The same, round by round (median of the rounds' ratios, with their range): $(median_range %.3f× "${paired[@]}")"
+echo "The same, round by round (median of the rounds' ratios, with their range): $(median_range %.3f× "${paired[@]}"); its 95% confidence interval $(median_ci %.3f× "${paired[@]}"); lower in $(below_count "${paired[@]}") rounds"
 if [[ -n ${AB_PASSES:-} ]]; then
     echo "old CPU: ${CPU[old]}"
     echo "new CPU: ${CPU[new]}"

@@ -62,6 +62,33 @@ median_range() {
         printf f " (" g " to " g ")", m, v[1], v[NR] }'
 }
 
+# median_ci <format> <values...>: a 95% confidence interval for the median the values are
+# drawn from, "low to high" in the printf format, or "-" for fewer than six values (the
+# fewest for which one exists). Distribution-free: the k-th lowest and k-th highest
+# values, k the largest for which the chance that k or fewer of the values fall below
+# the median is at most 2.5% (the binomial distribution with p = 1/2; with sixteen
+# values, the 4th and the 13th). A ratio's interval that holds 1.00 means the passes
+# cannot tell the two apart.
+median_ci() {
+    local fmt=$1; shift
+    printf '%s\n' "$@" | sort -g | awk -v f="$fmt" '{v[NR]=$1} END {
+        n = NR; k = 0; p = 0.5 ^ n; cdf = 0
+        for (j = 0; j < n; j++) {
+            cdf += p
+            if (2 * cdf > 0.05) break
+            k = j + 1
+            p = p * (n - j) / (j + 1)
+        }
+        g = f; sub(/×$/, "", g)
+        if (k == 0) print "-"; else printf g " to " f "\n", v[k], v[n - k + 1] }'
+}
+
+# below_count <values...>: "k of n", k the values below 1 (a ratio's passes in which the
+# gateway measured less than nginx).
+below_count() {
+    printf '%s\n' "$@" | awk '$1 < 1 {k++} END {printf "%d of %d\n", k, NR}'
+}
+
 # wait_port <port> [seconds]: until something listens there (5 s by default).
 wait_port() {
     local tries=$(( ${2:-5} * 20 ))

@@ -11,6 +11,8 @@
 #                                # binary (bench/pgo.sh's build) instead of the release build
 #   ONLY=streams bench/overhead.sh  # the stream measurements only (first event, RSS)
 #   ONLY=passes bench/overhead.sh   # the headline passes only (json, sse, sdk)
+#   PASSES=48 PASS_SECS=3 PASS_BODIES="json sdk" ONLY=passes bench/overhead.sh
+#                                # more passes of fewer bodies: a narrower interval
 #   TTFB_CLIENT=ttfb-kept ONLY=streams bench/overhead.sh  # first event from a blocking
 #                                # client on kept-alive connections (bench/streams.py)
 #
@@ -23,7 +25,8 @@
 #   (also split into user and kernel time) and their ratios, the figures to quote on a
 #   shared machine; for the JSON and SSE bodies as wrk sends them, and for `sdk`: the
 #   JSON body with the OpenAI Python SDK's headers, to a backend that answers with
-#   Azure's six `x-ratelimit-*` headers;
+#   Azure's six `x-ratelimit-*` headers; with the CPU ratio's 95% confidence interval
+#   (of the median the passes are drawn from) and how many passes the gateway was lower;
 # - one connection with wrk pinned to one core (the added-latency floor), in PIN_PASSES
 #   passes of PASS_SECS, the targets taking turns to go first: medians and ranges of
 #   p50, p99 and what each proxy adds to direct's in the same pass;
@@ -50,9 +53,17 @@ case $TTFB_CLIENT in
     ttfb | ttfb-blocking | ttfb-kept) ;;
     *) echo "overhead.sh: TTFB_CLIENT must be ttfb, ttfb-blocking or ttfb-kept" >&2; exit 2 ;;
 esac
+# The bodies of the headline passes: any of json, sse and sdk (all three by default).
+PASS_BODIES=${PASS_BODIES:-json sse sdk}
 if [[ -n ${SMOKE:-} ]]; then
-    DURATION=2; PASSES=2; PASS_SECS=1; PIN_PASSES=1
+    DURATION=2; PASSES=2; PASS_SECS=1; PIN_PASSES=1; PASS_BODIES="json sdk"
 fi
+for body in $PASS_BODIES; do
+    case $body in
+        json | sse | sdk) ;;
+        *) echo "overhead.sh: PASS_BODIES takes json, sse and sdk, not '$body'" >&2; exit 2 ;;
+    esac
+done
 
 . bench/lib.sh
 need wrk wrk
@@ -169,7 +180,7 @@ alternate() { # body nginx_port nginx_pids spillgate_port spillgate_pids
         cratio+=("$(awk -v a="$sc" -v b="$nc" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
         unset M
     done
-    echo "| $body | $PASSES × ${PASS_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") | $(median_range %.1f "${un[@]}") | $(median_range %.1f "${us[@]}") | $(median_range %.1f "${sn[@]}") | $(median_range %.1f "${ss[@]}") |" >>"$WORK/passes.md"
+    echo "| $body | $PASSES × ${PASS_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") | $(median_ci %.2f× "${cratio[@]}") | $(below_count "${cratio[@]}") | $(median_range %.1f "${un[@]}") | $(median_range %.1f "${us[@]}") | $(median_range %.1f "${sn[@]}") | $(median_range %.1f "${ss[@]}") |" >>"$WORK/passes.md"
 }
 
 # The 1-connection passes (see where it is called); rows go to $WORK/pinned.md.
@@ -261,21 +272,25 @@ for lat in "${LATENCIES[@]}"; do
     # a mock of their own that sends Azure's headers.
     if [[ $lat == 0 ]]; then
         [[ ${ONLY:-} == passes ]] || pinned "$mport" "$nport" "$sport"
-        for body in "${BODIES[@]}"; do alternate "$body" "$nport" "$npid" "$sport" "$spid"; done
-        MOCK_LIMITS=1 start_mock 0; lport=$PORT; wait_port "$lport"
-        start_nginx "$lport"; lnport=$PORT; wait_port "$lnport"
-        start_spillgate "$lport"; lsport=$PORT; wait_port "$lsport"
-        # Assigned first, so that a failure to find them stops the script.
-        lnpid=$(worker_pids "${PIDS[-2]}")
-        lspid=$(pid_on "$lsport")
-        alternate sdk "$lnport" "$lnpid" "$lsport" "$lspid"
+        for body in $PASS_BODIES; do
+            [[ $body == sdk ]] || alternate "$body" "$nport" "$npid" "$sport" "$spid"
+        done
+        if [[ " $PASS_BODIES " == *" sdk "* ]]; then
+            MOCK_LIMITS=1 start_mock 0; lport=$PORT; wait_port "$lport"
+            start_nginx "$lport"; lnport=$PORT; wait_port "$lnport"
+            start_spillgate "$lport"; lsport=$PORT; wait_port "$lsport"
+            # Assigned first, so that a failure to find them stops the script.
+            lnpid=$(worker_pids "${PIDS[-2]}")
+            lspid=$(pid_on "$lsport")
+            alternate sdk "$lnport" "$lnpid" "$lsport" "$lspid"
+        fi
     fi
 done
 
 if [[ -s $WORK/passes.md ]]; then
     echo
-    echo "| 0 ms backend, 64 connections, in passes | passes | nginx req/s | spillgate req/s | spillgate vs nginx | nginx CPU µs/req | spillgate CPU µs/req | CPU vs nginx | nginx user µs/req | spillgate user µs/req | nginx sys µs/req | spillgate sys µs/req |"
-    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    echo "| 0 ms backend, 64 connections, in passes | passes | nginx req/s | spillgate req/s | spillgate vs nginx | nginx CPU µs/req | spillgate CPU µs/req | CPU vs nginx | its 95% CI | spillgate lower in | nginx user µs/req | spillgate user µs/req | nginx sys µs/req | spillgate sys µs/req |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     cat "$WORK/passes.md"
 fi
 if [[ -s $WORK/pinned.md ]]; then
