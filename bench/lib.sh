@@ -65,10 +65,11 @@ median_range() {
 # median_ci <format> <values...>: a 95% confidence interval for the median the values are
 # drawn from, "low to high" in the printf format, or "-" for fewer than six values (the
 # fewest for which one exists). Distribution-free: the k-th lowest and k-th highest
-# values, k the largest for which the chance that k or fewer of the values fall below
+# values, k the largest for which the chance that fewer than k of the values fall below
 # the median is at most 2.5% (the binomial distribution with p = 1/2; with sixteen
-# values, the 4th and the 13th). A ratio's interval that holds 1.00 means the passes
-# cannot tell the two apart.
+# values, the 4th and the 13th). It takes the values as drawn independently from one
+# run's conditions; a ratio's interval that holds 1.00 means the passes cannot tell the
+# two apart.
 median_ci() {
     local fmt=$1; shift
     printf '%s\n' "$@" | sort -g | awk -v f="$fmt" '{v[NR]=$1} END {

@@ -53,14 +53,17 @@ case $TTFB_CLIENT in
     ttfb | ttfb-blocking | ttfb-kept) ;;
     *) echo "overhead.sh: TTFB_CLIENT must be ttfb, ttfb-blocking or ttfb-kept" >&2; exit 2 ;;
 esac
-# The bodies of the headline passes: any of json, sse and sdk (all three by default).
-PASS_BODIES=${PASS_BODIES:-json sse sdk}
 if [[ -n ${SMOKE:-} ]]; then
-    DURATION=2; PASSES=2; PASS_SECS=1; PIN_PASSES=1; PASS_BODIES="json sdk"
+    DURATION=2; PASSES=2; PASS_SECS=1; PIN_PASSES=1; PASS_BODIES=${PASS_BODIES:-json sdk}
 fi
-for body in $PASS_BODIES; do
+# The bodies of the headline passes: any of json, sse and sdk (all three by default; sdk
+# runs last, in front of a mock of its own).
+read -r -a PASS_LIST <<<"${PASS_BODIES:-json sse sdk}"
+PASS_SDK=0
+for body in "${PASS_LIST[@]}"; do
     case $body in
-        json | sse | sdk) ;;
+        json | sse) ;;
+        sdk) PASS_SDK=1 ;;
         *) echo "overhead.sh: PASS_BODIES takes json, sse and sdk, not '$body'" >&2; exit 2 ;;
     esac
 done
@@ -272,10 +275,10 @@ for lat in "${LATENCIES[@]}"; do
     # a mock of their own that sends Azure's headers.
     if [[ $lat == 0 ]]; then
         [[ ${ONLY:-} == passes ]] || pinned "$mport" "$nport" "$sport"
-        for body in $PASS_BODIES; do
+        for body in "${PASS_LIST[@]}"; do
             [[ $body == sdk ]] || alternate "$body" "$nport" "$npid" "$sport" "$spid"
         done
-        if [[ " $PASS_BODIES " == *" sdk "* ]]; then
+        if [[ $PASS_SDK == 1 ]]; then
             MOCK_LIMITS=1 start_mock 0; lport=$PORT; wait_port "$lport"
             start_nginx "$lport"; lnport=$PORT; wait_port "$lnport"
             start_spillgate "$lport"; lsport=$PORT; wait_port "$lsport"
