@@ -52,7 +52,8 @@ impl Pool {
     /// free): the power of two choices, so throttling is avoided before it happens. With
     /// an unknown score for either, the first draw stands. `eligible` returns what the
     /// caller found out about a usable member (`None`: not usable); the winner's comes
-    /// back with it.
+    /// back with it. Two draws of the same member (always, in a tier of one) score
+    /// nothing: the gateway's score reads a deployment's capacity under its lock.
     pub fn select_scored<T>(
         &self,
         eligible: impl Fn(BackendId) -> Option<T>,
@@ -62,9 +63,13 @@ impl Pool {
         let (mut members, total) = self.first_usable_tier(eligible)?;
         let a = draw(&members, total, rng)?;
         let b = draw(&members, total, rng)?;
-        let pick = match (score(&members[a].2), score(&members[b].2)) {
-            (Some(x), Some(y)) if y > x => b,
-            _ => a,
+        let pick = if a == b {
+            a
+        } else {
+            match (score(&members[a].2), score(&members[b].2)) {
+                (Some(x), Some(y)) if y > x => b,
+                _ => a,
+            }
         };
         let (id, _, found) = members.swap_remove(pick);
         Some((id, found))
@@ -493,6 +498,34 @@ mod tests {
             .filter(|_| pool.select_scored(Some, |_| None, &mut rng) == Some((0, 0)))
             .count();
         assert!((half as f64 / n as f64 - 0.5).abs() < 0.02);
+    }
+
+    #[test]
+    fn a_member_drawn_twice_is_not_scored() {
+        let scored = std::cell::Cell::new(0);
+        let score = |_: &BackendId| {
+            scored.set(scored.get() + 1);
+            Some(0.5)
+        };
+        let mut rng = fastrand::Rng::with_seed(5);
+        let one = vec![backend("only", 1, 1, None)];
+        let pool = pool_of_all(&one);
+        for _ in 0..100 {
+            assert_eq!(pool.select_scored(Some, score, &mut rng), Some((0, 0)));
+        }
+        assert_eq!(scored.get(), 0, "a tier of one");
+        // Two members: scored (twice) only when the draws differ.
+        let two = vec![backend("a", 1, 1, None), backend("b", 1, 1, None)];
+        let pool = pool_of_all(&two);
+        let n = 10_000;
+        for _ in 0..n {
+            pool.select_scored(Some, score, &mut rng);
+        }
+        let share = scored.get() as f64 / (2 * n) as f64;
+        assert!(
+            (share - 0.5).abs() < 0.02,
+            "scored in {share} of the selections"
+        );
     }
 
     #[test]

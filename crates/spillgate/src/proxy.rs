@@ -2415,39 +2415,15 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                 || by_priority(&app.metrics.ttfb),
                 |h| h.observe(elapsed.as_secs_f64()),
             );
-            let duration = handles.duration.with(
-                u64::from(ctx.low),
-                || by_priority(&app.metrics.duration),
-                Histogram::clone,
-            );
-            // When the body ends: its duration, the tokens its usage reports, and (with
-            // request priority) the release of the deployment's reservation, corrected by
-            // that usage.
-            let started = ctx.started;
-            let tokens = handles.tokens.with(
-                (backend as u64) << 32 | u64::from(client.index()),
-                || {
-                    app.metrics
-                        .tokens
-                        .get_or_create(&vec![
-                            ("backend", (&b.cfg.name).into()),
-                            ("client", client.label()),
-                        ])
-                        .clone()
-                },
-                Counter::clone,
-            );
-            // Only a reservation needs the clock's base (an atomic count each way).
-            let app_end = reservation.as_ref().map(|_| Arc::clone(app));
-            // One reading of the clock for all: the body's end, and its duration.
-            let settle = move |used: Option<u64>, end: tokio::time::Instant, took: Duration| {
-                if let (Some(r), Some(app)) = (reservation, app_end) {
-                    r.settle(used, app.clock.ms_at(end));
-                }
-                if let Some(u) = used {
-                    tokens.inc_by(u);
-                }
-                duration.observe(took.as_secs_f64());
+            let tokens_key = (backend as u64) << 32 | u64::from(client.index());
+            let tokens_family = || {
+                app.metrics
+                    .tokens
+                    .get_or_create(&vec![
+                        ("backend", (&b.cfg.name).into()),
+                        ("client", client.label()),
+                    ])
+                    .clone()
             };
             // A body that came whole with its head (nearly every non-streamed answer) is
             // read and settled now; a stream is not looked at before the client gets it.
@@ -2460,16 +2436,50 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                 take_whole(body)
             };
             let body = match taken {
-                // Read whole now: it ends when the answer does.
+                // Read whole now: it ends when the answer does. The metrics are updated
+                // through the thread's handles, not clones of them (a clone and its drop
+                // are two atomic instructions each).
                 Taken::Whole(bytes) => {
                     let used = crate::priority::whole_json_usage(json_body, &bytes);
-                    settle(used, finished_at, elapsed);
+                    if let Some(r) = reservation {
+                        r.settle(used, app.clock.ms_at(finished_at));
+                    }
+                    if let Some(u) = used {
+                        handles
+                            .tokens
+                            .with(tokens_key, tokens_family, |c| c.inc_by(u));
+                    }
+                    handles.duration.with(
+                        u64::from(ctx.low),
+                        || by_priority(&app.metrics.duration),
+                        |h| h.observe(elapsed.as_secs_f64()),
+                    );
                     ReplyBody::Whole(bytes)
                 }
+                // When the body ends: its duration, the tokens its usage reports, and
+                // (with request priority) the release of the deployment's reservation,
+                // corrected by that usage.
                 Taken::Partial(body) => {
+                    let duration = handles.duration.with(
+                        u64::from(ctx.low),
+                        || by_priority(&app.metrics.duration),
+                        Histogram::clone,
+                    );
+                    let tokens = handles
+                        .tokens
+                        .with(tokens_key, tokens_family, Counter::clone);
+                    // Only a reservation needs the clock's base (an atomic count each way).
+                    let app_end = reservation.as_ref().map(|_| Arc::clone(app));
+                    let started = ctx.started;
                     let on_usage = move |used: Option<u64>| {
                         let end = crate::now::now();
-                        settle(used, end, end.saturating_duration_since(started));
+                        if let (Some(r), Some(app)) = (reservation, app_end) {
+                            r.settle(used, app.clock.ms_at(end));
+                        }
+                        if let Some(u) = used {
+                            tokens.inc_by(u);
+                        }
+                        duration.observe(end.saturating_duration_since(started).as_secs_f64());
                     };
                     // The layers nest directly, boxed once at the top: each `Body::new`
                     // between them added a dynamic call and an error conversion to every

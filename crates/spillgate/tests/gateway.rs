@@ -1723,9 +1723,10 @@ impl spillgate::upstream::Upstream for Answers {
     }
 }
 
-/// An answer that is all there when its head comes is settled at once: its tokens are
-/// counted before the client has read any of it. One that is not, when the client has
-/// read it all. Either way the client gets the whole body.
+/// An answer that is all there when its head comes is settled at once: its tokens and its
+/// duration are counted before the client has read any of it. One that is not, when the
+/// client has read it all. Either way the client gets the whole body, and each is
+/// counted once.
 #[tokio::test]
 async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
     use tower::ServiceExt;
@@ -1739,6 +1740,16 @@ async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
             app.metrics.render(&app).lines().any(|l| {
                 l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 12")
             })
+        };
+        // The requests whose duration was observed (none before the first).
+        let timed = || -> u64 {
+            app.metrics
+                .render(&app)
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("spillgate_request_duration_seconds_count{priority=\"high\"} ")
+                })
+                .map_or(0, |v| v.parse().unwrap())
         };
         let req = http::Request::post("/v1/chat/completions")
             .header("content-type", "application/json")
@@ -1756,10 +1767,20 @@ async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
             "split {split}: counted before the body is read"
         );
         assert_eq!(
+            timed(),
+            u64::from(!split),
+            "split {split}: timed before the body is read"
+        );
+        assert_eq!(
             resp.into_body().collect().await.unwrap().to_bytes(),
             ANSWER.as_bytes()
         );
         assert!(counted(), "split {split}: counted once the body is read");
+        assert_eq!(
+            timed(),
+            1,
+            "split {split}: timed once, when the body is read"
+        );
     }
 }
 
