@@ -2444,11 +2444,13 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                     if let Some(r) = reservation {
                         r.settle(used, app.clock.ms_at(finished_at));
                     }
-                    if let Some(u) = used {
-                        handles
-                            .tokens
-                            .with(tokens_key, tokens_family, |c| c.inc_by(u));
-                    }
+                    // Looked up with no usage too: the series is there from the first
+                    // answer, as for a stream.
+                    handles.tokens.with(tokens_key, tokens_family, |c| {
+                        if let Some(u) = used {
+                            c.inc_by(u);
+                        }
+                    });
                     handles.duration.with(
                         u64::from(ctx.low),
                         || by_priority(&app.metrics.duration),

@@ -1685,10 +1685,11 @@ async fn tokens_are_counted_per_client_key() {
     assert_eq!(a, 2.0 * b, "same requests, twice as many from A");
 }
 
-/// A backend in memory whose JSON answer (with a usage of 12 tokens) comes as one frame,
-/// or split in two frames.
+/// A backend in memory whose JSON answer (`body`: [`ANSWER`] has a usage of 12 tokens)
+/// comes as one frame, or split in two frames.
 struct Answers {
     split: bool,
+    body: &'static str,
 }
 
 const ANSWER: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":5,"total_tokens":12}}"#;
@@ -1703,7 +1704,7 @@ impl spillgate::upstream::Upstream for Answers {
         Result<http::Response<axum::body::Body>, spillgate::upstream::AttemptError>,
     > {
         let body = if self.split {
-            let (a, b) = ANSWER.split_at(30);
+            let (a, b) = self.body.split_at(30);
             let frames = [a, b].map(|p| {
                 Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from_static(
                     p.as_bytes(),
@@ -1713,7 +1714,7 @@ impl spillgate::upstream::Upstream for Answers {
                 frames,
             )))
         } else {
-            axum::body::Body::from(ANSWER)
+            axum::body::Body::from(self.body)
         };
         let resp = http::Response::builder()
             .header("content-type", "application/json")
@@ -1735,7 +1736,11 @@ async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
             [[backends]]\nname = \"mem\"\nkind = \"openai\"\nurl = \"http://mem.test/v1\"\n";
         let config =
             spillgate_core::config::load(text, &|_| None, &|_| Err("no files".into())).unwrap();
-        let app = App::with_upstream(config, Arc::new(Answers { split })).unwrap();
+        let answers = Answers {
+            split,
+            body: ANSWER,
+        };
+        let app = App::with_upstream(config, Arc::new(answers)).unwrap();
         let counted = || {
             app.metrics.render(&app).lines().any(|l| {
                 l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 12")
@@ -1782,6 +1787,39 @@ async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
             "split {split}: timed once, when the body is read"
         );
     }
+}
+
+/// A whole answer without a usage still shows its backend's and client's token series, at
+/// 0, as a stream's does: a dashboard has the series from the first answer.
+#[tokio::test]
+async fn a_whole_answer_without_usage_shows_its_token_series_at_zero() {
+    use tower::ServiceExt;
+    let text = "[admin]\nenabled = false\n[auth]\nmode = \"none\"\n\
+        [[backends]]\nname = \"mem\"\nkind = \"openai\"\nurl = \"http://mem.test/v1\"\n";
+    let config =
+        spillgate_core::config::load(text, &|_| None, &|_| Err("no files".into())).unwrap();
+    let answers = Answers {
+        split: false,
+        body: r#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#,
+    };
+    let app = App::with_upstream(config, Arc::new(answers)).unwrap();
+    let req = http::Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(CHAT))
+        .unwrap();
+    let resp = spillgate::server::router(Arc::clone(&app))
+        .oneshot(req)
+        .await
+        .unwrap()
+        .into_response();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let metrics = app.metrics.render(&app);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 0")),
+        "{metrics}"
+    );
 }
 
 /// A JSON answer whose body comes in two writes: its first part reaches the client before
