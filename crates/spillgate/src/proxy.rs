@@ -2425,6 +2425,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                     ])
                     .clone()
             };
+            let duration_family = || by_priority(&app.metrics.duration);
             // A body that came whole with its head (nearly every non-streamed answer) is
             // read and settled now; a stream is not looked at before the client gets it.
             // Its duration then ends when the gateway has it whole, not when the client's
@@ -2451,11 +2452,11 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                             c.inc_by(u);
                         }
                     });
-                    handles.duration.with(
-                        u64::from(ctx.low),
-                        || by_priority(&app.metrics.duration),
-                        |h| h.observe(elapsed.as_secs_f64()),
-                    );
+                    handles
+                        .duration
+                        .with(u64::from(ctx.low), duration_family, |h| {
+                            h.observe(elapsed.as_secs_f64())
+                        });
                     ReplyBody::Whole(bytes)
                 }
                 // When the body ends: its duration, the tokens its usage reports, and
@@ -2464,7 +2465,7 @@ fn finish(ended: Ended, ctx: &Ctx<'_>, client: &Client, app: &Arc<App>) -> Reply
                 Taken::Partial(body) => {
                     let duration = handles.duration.with(
                         u64::from(ctx.low),
-                        || by_priority(&app.metrics.duration),
+                        duration_family,
                         Histogram::clone,
                     );
                     let tokens = handles

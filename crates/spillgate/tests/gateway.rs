@@ -1730,17 +1730,12 @@ impl spillgate::upstream::Upstream for Answers {
 /// counted once.
 #[tokio::test]
 async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
-    use tower::ServiceExt;
     for split in [false, true] {
-        let text = "[admin]\nenabled = false\n[auth]\nmode = \"none\"\n\
-            [[backends]]\nname = \"mem\"\nkind = \"openai\"\nurl = \"http://mem.test/v1\"\n";
-        let config =
-            spillgate_core::config::load(text, &|_| None, &|_| Err("no files".into())).unwrap();
         let answers = Answers {
             split,
             body: ANSWER,
         };
-        let app = App::with_upstream(config, Arc::new(answers)).unwrap();
+        let (app, resp) = answered_in_memory(answers).await;
         let counted = || {
             app.metrics.render(&app).lines().any(|l| {
                 l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 12")
@@ -1756,15 +1751,6 @@ async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
                 })
                 .map_or(0, |v| v.parse().unwrap())
         };
-        let req = http::Request::post("/v1/chat/completions")
-            .header("content-type", "application/json")
-            .body(axum::body::Body::from(CHAT))
-            .unwrap();
-        let resp = spillgate::server::router(Arc::clone(&app))
-            .oneshot(req)
-            .await
-            .unwrap()
-            .into_response();
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(
             counted(),
@@ -1793,15 +1779,29 @@ async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
 /// 0, as a stream's does: a dashboard has the series from the first answer.
 #[tokio::test]
 async fn a_whole_answer_without_usage_shows_its_token_series_at_zero() {
+    let answers = Answers {
+        split: false,
+        body: r#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#,
+    };
+    let (app, resp) = answered_in_memory(answers).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let metrics = app.metrics.render(&app);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 0")),
+        "{metrics}"
+    );
+}
+
+/// A gateway whose one backend, `mem`, is `answers`, and its answer to one chat request
+/// (the body not read yet).
+async fn answered_in_memory(answers: Answers) -> (Arc<App>, axum::response::Response) {
     use tower::ServiceExt;
     let text = "[admin]\nenabled = false\n[auth]\nmode = \"none\"\n\
         [[backends]]\nname = \"mem\"\nkind = \"openai\"\nurl = \"http://mem.test/v1\"\n";
     let config =
         spillgate_core::config::load(text, &|_| None, &|_| Err("no files".into())).unwrap();
-    let answers = Answers {
-        split: false,
-        body: r#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#,
-    };
     let app = App::with_upstream(config, Arc::new(answers)).unwrap();
     let req = http::Request::post("/v1/chat/completions")
         .header("content-type", "application/json")
@@ -1812,14 +1812,7 @@ async fn a_whole_answer_without_usage_shows_its_token_series_at_zero() {
         .await
         .unwrap()
         .into_response();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let metrics = app.metrics.render(&app);
-    assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 0")),
-        "{metrics}"
-    );
+    (app, resp)
 }
 
 /// A JSON answer whose body comes in two writes: its first part reaches the client before
