@@ -52,8 +52,9 @@ impl Pool {
     /// free): the power of two choices, so throttling is avoided before it happens. With
     /// an unknown score for either, the first draw stands. `eligible` returns what the
     /// caller found out about a usable member (`None`: not usable); the winner's comes
-    /// back with it. Two draws of the same member (always, in a tier of one) score
-    /// nothing: the gateway's score reads a deployment's capacity under its lock.
+    /// back with it. Two draws of the same member (always, when one member of the tier
+    /// is usable) score nothing: the gateway's score reads a deployment's capacity
+    /// under its lock.
     pub fn select_scored<T>(
         &self,
         eligible: impl Fn(BackendId) -> Option<T>,

@@ -1736,11 +1736,7 @@ async fn an_answer_that_came_whole_is_settled_before_the_client_reads_it() {
             body: ANSWER,
         };
         let (app, resp) = answered_in_memory(answers).await;
-        let counted = || {
-            app.metrics.render(&app).lines().any(|l| {
-                l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 12")
-            })
-        };
+        let counted = || tokens_of(&app, "mem") == Some(12);
         // The requests whose duration was observed (none before the first).
         let timed = || -> u64 {
             app.metrics
@@ -1785,13 +1781,26 @@ async fn a_whole_answer_without_usage_shows_its_token_series_at_zero() {
     };
     let (app, resp) = answered_in_memory(answers).await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let metrics = app.metrics.render(&app);
-    assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("spillgate_tokens_total{backend=\"mem\"") && l.ends_with(" 0")),
-        "{metrics}"
+    assert_eq!(
+        tokens_of(&app, "mem"),
+        Some(0),
+        "{}",
+        app.metrics.render(&app)
     );
+}
+
+/// The value of `backend`'s token series in `app`'s metrics (its first client's), if
+/// there is one.
+fn tokens_of(app: &App, backend: &str) -> Option<u64> {
+    let prefix = format!("spillgate_tokens_total{{backend=\"{backend}\",");
+    app.metrics
+        .render(app)
+        .lines()
+        .find(|l| l.starts_with(&prefix))?
+        .rsplit(' ')
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// A gateway whose one backend, `mem`, is `answers`, and its answer to one chat request
@@ -1881,12 +1890,7 @@ async fn a_json_body_in_pieces_is_passed_on_as_it_comes_and_its_usage_counted() 
     backend.await.unwrap();
     // Counted when the gateway lets go of the body, which may be just after the client
     // has its last byte.
-    let counted =
-        || {
-            gw.app.metrics.render(&gw.app).lines().any(|l| {
-                l.starts_with("spillgate_tokens_total{backend=\"raw\"") && l.ends_with(" 12")
-            })
-        };
+    let counted = || tokens_of(&gw.app, "raw") == Some(12);
     for _ in 0..100 {
         if counted() {
             break;
