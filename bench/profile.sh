@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# Where each proxy's CPU time goes, by function: spillgate and nginx in front of the mock
+# backend, each sampled with `perf record` (the `cpu-clock` software event, once per
+# 200 µs of a thread's CPU time; it needs no hardware counters, so it works on virtual
+# machines too) while wrk sends the same JSON load at 64 connections, on loopback only.
+# The two take turns, ROUNDS times.
+#
+#   bench/profile.sh              # 3 rounds of 6 s per proxy, release build, top 25
+#   ROUNDS=5 SECS=8 TOP=40 bench/profile.sh
+#   SPILLGATE_BIN=target/pgo/release/spillgate bench/profile.sh  # that gateway binary
+#   SMOKE=1 bench/profile.sh      # one round of a second, debug build (what ./test.sh runs)
+#
+# Prints two markdown tables, figures in µs a request (the samples' time over the
+# requests the pass served), medians of the rounds:
+# - for each proxy: the time sampled in all, in the kernel and in user space (the program
+#   and the libraries it calls), with the rounds' range;
+# - the TOP user-space functions of both, side by side, by the larger of the two.
+# Unlike bench/instructions.sh's counts, these are times: they take in cache misses and
+# pipeline stalls that an instruction count cannot weigh, and move with the machine's
+# speed from pass to pass, as CPU time does. Sampling adds to the time of each proxy
+# (both are sampled alike). A sample that lands just after a system call returns is
+# charged to the user-space instruction it returned to, so the C library's system
+# call wrappers carry some of the kernel's exit time.
+#
+# Installs wrk, nginx-light and perf (linux-perf) with apt-get when missing. Needs
+# permission to sample another process and the kernel (root, or
+# kernel.perf_event_paranoid at 1 or below);
+# without it the smoke run says so and skips, and a full run fails.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+
+ROUNDS=${ROUNDS:-3}
+SECS=${SECS:-6}
+TOP=${TOP:-25}
+# A sample every PERIOD_NS of a thread's CPU time (a fixed period: perf would lower a
+# frequency the kernel does not allow, and the figures would then be wrong).
+PERIOD_NS=200000
+if [[ -n ${SMOKE:-} ]]; then
+    ROUNDS=1; SECS=1; TOP=5
+fi
+
+. bench/lib.sh
+need wrk wrk
+need nginx nginx-light
+need perf linux-perf
+export PATH=$PATH:/usr/sbin
+# The kernel's part is sampled too only for root or with kernel.perf_event_paranoid at
+# 1 or below (above, perf would sample user space alone and say nothing).
+paranoid=$(cat /proc/sys/kernel/perf_event_paranoid 2>/dev/null || echo 3)
+sampling=yes
+if [[ $(id -u) -ne 0 && $paranoid -gt 1 ]]; then
+    echo "kernel.perf_event_paranoid is $paranoid, and this is not root" >"$WORK/check.log"
+    sampling=no
+elif ! perf record -q -e cpu-clock -o "$WORK/check.data" -- true >"$WORK/check.log" 2>&1; then
+    sampling=no
+fi
+if [[ $sampling == no ]]; then
+    if [[ -n ${SMOKE:-} ]]; then
+        echo "profile.sh: perf cannot sample here ($(head -1 "$WORK/check.log")); smoke run skipped" >&2
+        exit 0
+    fi
+    echo "profile.sh: perf cannot sample here:" >&2
+    cat "$WORK/check.log" >&2
+    exit 1
+fi
+build_bins
+
+start_mock 0
+mport=$PORT
+wait_port "$mport"
+start_nginx_here() {
+    PORT=$(free_port)
+    nginx_conf "$WORK/nginx" "$PORT" "$mport"
+    nginx -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" -g 'daemon off;' >/dev/null 2>&1 &
+    PIDS+=($!)
+}
+start_nginx_here
+nport=$PORT
+nmaster=${PIDS[-1]}
+sport=$(free_port)
+spillgate_toml "$WORK/spillgate.toml" "$sport" "$mport"
+"$GATEWAY" --config "$WORK/spillgate.toml" >/dev/null 2>"$WORK/spillgate.log" &
+PIDS+=($!)
+spid=$!
+wait_port "$nport"
+wait_port "$sport"
+# nginx's workers, one per core (`worker_processes auto`; the master only forks them and
+# waits, and it listens before it has forked them all).
+cores=$(nproc)
+nworkers=""
+for _ in $(seq 1 100); do
+    nworkers=$(pgrep -P "$nmaster" | paste -sd, || true)
+    [[ -n $nworkers && $(tr ',' '\n' <<<"$nworkers" | wc -l) -ge $cores ]] && break
+    sleep 0.05
+done
+if [[ -z $nworkers || $(tr ',' '\n' <<<"$nworkers" | wc -l) -lt $cores ]]; then
+    echo "profile.sh: nginx started ${nworkers:-no} workers, not $cores" >&2
+    exit 1
+fi
+
+cat >"$WORK/post.lua" <<'EOF'
+wrk.method = "POST"
+wrk.body = os.getenv("BODY")
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local errors = summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.status + summary.errors.timeout
+  io.write(string.format("RESULT %d %d\n", summary.requests, errors))
+end
+EOF
+
+# One pass: samples of `pids` while wrk loads `port`; writes the report's lines
+# ("percent samples dso [.] symbol", `[k]` for the kernel's) to <out>.rep and prints the
+# requests served. Run in $(...), where `set -e` does not hold: each step is checked.
+pass() { # name pids port out
+    perf record -q -e cpu-clock -c "$PERIOD_NS" -p "$2" -o "$4.data" -- sleep "$SECS" >"$4.log" 2>&1 &
+    local rec=$!
+    local res requests=0 errors=0
+    res=$(BODY="$JSON" wrk -t2 -c64 -d"${SECS}s" --timeout 10s -s "$WORK/post.lua" \
+        "http://127.0.0.1:$3/v1/chat/completions" 2>/dev/null | grep '^RESULT' || true)
+    if ! wait "$rec"; then
+        echo "profile.sh: perf record of $1 failed:" >&2
+        cat "$4.log" >&2
+        exit 1
+    fi
+    if [[ -z $res ]]; then
+        echo "profile.sh: wrk against $1 printed no result" >&2
+        exit 1
+    fi
+    read -r _ requests errors <<<"$res"
+    if [[ $errors -ne 0 || $requests -le 0 ]]; then
+        echo "profile.sh: $1 answered $requests requests with $errors errors" >&2
+        exit 1
+    fi
+    if ! perf report -i "$4.data" --sort=dso,sym --stdio -n 2>"$4.log" >"$4.txt"; then
+        echo "profile.sh: perf report of $1 failed:" >&2
+        cat "$4.log" >&2
+        exit 1
+    fi
+    grep -E '^ +[0-9]' "$4.txt" >"$4.rep" || true
+    echo "$requests"
+}
+
+runs=()
+for r in $(seq 1 "$ROUNDS"); do
+    # Each goes first in every other round.
+    order=(spillgate nginx)
+    (( r % 2 == 0 )) && order=(nginx spillgate)
+    for t in "${order[@]}"; do
+        if [[ $t == spillgate ]]; then pids=$spid; port=$sport; else pids=$nworkers; port=$nport; fi
+        n=$(pass "$t" "$pids" "$port" "$WORK/$t-$r")
+        runs+=("$t $r $n $WORK/$t-$r.rep")
+    done
+done
+
+python3 - "$TOP" "$((PERIOD_NS / 1000))" "${runs[@]}" <<'EOF'
+import collections, statistics, sys
+
+top, us_per_sample = int(sys.argv[1]), float(sys.argv[2])
+# target -> [per round: {"all", "kernel", "user", ("sym", dso, name): µs a request}]
+rounds = collections.defaultdict(list)
+for run in sys.argv[3:]:
+    target, _, requests, rep = run.split(maxsplit=3)
+    requests = int(requests)
+    cost = collections.Counter()
+    for line in open(rep):
+        parts = line.split()
+        if len(parts) < 5:
+            continue
+        samples, dso, where, name = int(parts[1]), parts[2], parts[3], " ".join(parts[4:])
+        us = samples * us_per_sample / requests
+        cost["all"] += us
+        if where == "[k]":
+            cost["kernel"] += us
+        else:
+            cost["user"] += us
+            cost[("sym", dso, name)] += us
+    if not cost["all"]:
+        sys.exit(f"profile.sh: no samples of {target} in {rep}")
+    rounds[target].append(cost)
+
+def summary(values):
+    med = statistics.median(values)
+    return f"{med:.3f} ({min(values):.3f} to {max(values):.3f})"
+
+print("| 0 ms backend, JSON, 64 connections, sampled (cpu-clock) | rounds | µs a request in all | in the kernel | in user space |")
+print("|---|---:|---:|---:|---:|")
+for target in ("nginx", "spillgate"):
+    rs = rounds[target]
+    print(f"| {target} | {len(rs)} | " + " | ".join(summary([r[k] for r in rs]) for k in ("all", "kernel", "user")) + " |")
+
+def medians(target):
+    rs = rounds[target]
+    keys = {k for r in rs for k in r if isinstance(k, tuple)}
+    return {k: statistics.median([r.get(k, 0.0) for r in rs]) for k in keys}
+
+def name(key):
+    _, dso, sym = key
+    return sym if dso in ("spillgate", "nginx") else f"{sym} ({dso})"
+
+med = {t: medians(t) for t in ("nginx", "spillgate")}
+keys = set(med["nginx"]) | set(med["spillgate"])
+ranked = sorted(keys, key=lambda k: -max(med["nginx"].get(k, 0.0), med["spillgate"].get(k, 0.0)))
+print()
+print(f"User-space functions, the {top} costliest of either (µs a request, medians of the rounds):")
+print()
+print("| function | nginx | spillgate |")
+print("|---|---:|---:|")
+for k in ranked[:top]:
+    cells = [f"{med[t][k]:.3f}" if k in med[t] else "-" for t in ("nginx", "spillgate")]
+    print(f"| `{name(k)}` | {cells[0]} | {cells[1]} |")
+EOF
