@@ -99,16 +99,6 @@ if [[ -z $nworkers || $(tr ',' '\n' <<<"$nworkers" | wc -l) -lt $cores ]]; then
     exit 1
 fi
 
-cat >"$WORK/post.lua" <<'EOF'
-wrk.method = "POST"
-wrk.body = os.getenv("BODY")
-wrk.headers["Content-Type"] = "application/json"
-done = function(summary, latency, requests)
-  local errors = summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.status + summary.errors.timeout
-  io.write(string.format("RESULT %d %d\n", summary.requests, errors))
-end
-EOF
-
 # One pass: samples of `pids` while wrk loads `port`; writes the report's lines
 # ("percent samples dso [.] symbol", `[k]` for the kernel's) to <out>.rep and prints the
 # requests served. Run in $(...), where `set -e` does not hold: each step is checked.
@@ -127,7 +117,8 @@ pass() { # name pids port out
         echo "profile.sh: wrk against $1 printed no result" >&2
         exit 1
     fi
-    read -r _ requests errors <<<"$res"
+    # bench/lib.sh's wrk script: "RESULT requests duration p50 p99 p99.9 errors".
+    read -r _ requests _ _ _ _ errors <<<"$res"
     if [[ $errors -ne 0 || $requests -le 0 ]]; then
         echo "profile.sh: $1 answered $requests requests with $errors errors" >&2
         exit 1
