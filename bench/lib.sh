@@ -183,6 +183,29 @@ http {
 EOF
 }
 
+# start_nginx <backend_port>: nginx_conf's proxy in front of the backend, a worker per
+# core; sets PORT. Run in this shell (not in $(...)), so that PIDS keeps it for cleanup.
+start_nginx() {
+    local port; port=$(free_port)
+    nginx_conf "$WORK/nginx-$1" "$port" "$1"
+    nginx -c "$WORK/nginx-$1/nginx.conf" -p "$WORK/nginx-$1" -g 'daemon off;' >/dev/null 2>&1 &
+    PIDS+=($!)
+    PORT=$port
+}
+
+# worker_pids <master_pid>: nginx's worker processes, space-separated, once there is one
+# a core (`worker_processes auto`): the master listens before it has forked them all.
+worker_pids() {
+    local pids="" cores; cores=$(nproc)
+    for _ in $(seq 1 100); do
+        pids=$(pgrep -P "$1" | tr '\n' ' ' || true)
+        [[ $(wc -w <<<"$pids") -ge $cores ]] && { echo "$pids"; return 0; }
+        sleep 0.05
+    done
+    echo "nginx ($1) started ${pids:-no workers}, not $cores workers" >&2
+    return 1
+}
+
 # spillgate_server_toml <listen_port>: the gateway's settings in every bench config: no
 # admin listener, no client keys, warnings only.
 spillgate_server_toml() {

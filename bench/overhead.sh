@@ -76,34 +76,15 @@ export PATH=$PATH:/usr/sbin
 build_bins
 FAILED=0
 
-# The start_* functions run in this shell (not in $(...)) so that PIDS keeps every
-# process for cleanup; each sets PORT to where it listens.
-start_nginx() { # backend_port
-    local port; port=$(free_port)
-    nginx_conf "$WORK/nginx-$1" "$port" "$1"
-    nginx -c "$WORK/nginx-$1/nginx.conf" -p "$WORK/nginx-$1" -g 'daemon off;' >/dev/null 2>&1 &
-    PIDS+=($!)
-    PORT=$port
-}
-
+# The start_* functions (this one, and bench/lib.sh's start_mock and start_nginx) run in
+# this shell (not in $(...)) so that PIDS keeps every process for cleanup; each sets PORT
+# to where it listens.
 start_spillgate() { # backend_port
     local port; port=$(free_port)
     spillgate_toml "$WORK/spillgate-$1.toml" "$port" "$1"
     "$GATEWAY" --config "$WORK/spillgate-$1.toml" >/dev/null 2>"$WORK/spillgate-$1.log" &
     PIDS+=($!)
     PORT=$port
-}
-
-# nginx's worker processes (the master listens before it forks them).
-worker_pids() { # master_pid
-    local pids=""
-    for _ in $(seq 1 100); do
-        pids=$(pgrep -P "$1" | tr '\n' ' ' || true)
-        [[ -n $pids ]] && { echo "$pids"; return 0; }
-        sleep 0.05
-    done
-    echo "nginx ($1) started no workers" >&2
-    return 1
 }
 
 # The processes `pids` together: their peak RSS in MB.

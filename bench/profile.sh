@@ -69,13 +69,7 @@ build_bins
 start_mock 0
 mport=$PORT
 wait_port "$mport"
-start_nginx_here() {
-    PORT=$(free_port)
-    nginx_conf "$WORK/nginx" "$PORT" "$mport"
-    nginx -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" -g 'daemon off;' >/dev/null 2>&1 &
-    PIDS+=($!)
-}
-start_nginx_here
+start_nginx "$mport"
 nport=$PORT
 nmaster=${PIDS[-1]}
 sport=$(free_port)
@@ -85,19 +79,9 @@ PIDS+=($!)
 spid=$!
 wait_port "$nport"
 wait_port "$sport"
-# nginx's workers, one per core (`worker_processes auto`; the master only forks them and
-# waits, and it listens before it has forked them all).
-cores=$(nproc)
-nworkers=""
-for _ in $(seq 1 100); do
-    nworkers=$(pgrep -P "$nmaster" | paste -sd, || true)
-    [[ -n $nworkers && $(tr ',' '\n' <<<"$nworkers" | wc -l) -ge $cores ]] && break
-    sleep 0.05
-done
-if [[ -z $nworkers || $(tr ',' '\n' <<<"$nworkers" | wc -l) -lt $cores ]]; then
-    echo "profile.sh: nginx started ${nworkers:-no} workers, not $cores" >&2
-    exit 1
-fi
+# Assigned first, so that a failure to find them stops the script; perf takes a list.
+nworkers=$(worker_pids "$nmaster")
+nworkers=$(tr -s ' ' ',' <<<"${nworkers% }")
 
 # One pass: samples of `pids` while wrk loads `port`; writes the report's lines
 # ("percent samples dso [.] symbol", `[k]` for the kernel's) to <out>.rep and prints the
