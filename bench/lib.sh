@@ -193,6 +193,16 @@ start_nginx() {
     PORT=$port
 }
 
+# start_spillgate <backend_port>: the gateway measured (GATEWAY) with spillgate_toml's
+# two tiers in front of the backend; sets PORT. Run in this shell, as start_nginx.
+start_spillgate() {
+    local port; port=$(free_port)
+    spillgate_toml "$WORK/spillgate-$1.toml" "$port" "$1"
+    "$GATEWAY" --config "$WORK/spillgate-$1.toml" >/dev/null 2>"$WORK/spillgate-$1.log" &
+    PIDS+=($!)
+    PORT=$port
+}
+
 # worker_pids <master_pid>: nginx's worker processes, space-separated, once there is one
 # a core (`worker_processes auto`): the master listens before it has forked them all.
 worker_pids() {

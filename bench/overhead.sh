@@ -76,17 +76,6 @@ export PATH=$PATH:/usr/sbin
 build_bins
 FAILED=0
 
-# The start_* functions (this one, and bench/lib.sh's start_mock and start_nginx) run in
-# this shell (not in $(...)) so that PIDS keeps every process for cleanup; each sets PORT
-# to where it listens.
-start_spillgate() { # backend_port
-    local port; port=$(free_port)
-    spillgate_toml "$WORK/spillgate-$1.toml" "$port" "$1"
-    "$GATEWAY" --config "$WORK/spillgate-$1.toml" >/dev/null 2>"$WORK/spillgate-$1.log" &
-    PIDS+=($!)
-    PORT=$port
-}
-
 # The processes `pids` together: their peak RSS in MB.
 rss_of() { # pids
     local p

@@ -24,8 +24,8 @@
 #
 # Installs wrk, nginx-light and perf (linux-perf) with apt-get when missing. Needs
 # permission to sample another process and the kernel (root, or
-# kernel.perf_event_paranoid at 1 or below);
-# without it the smoke run says so and skips, and a full run fails.
+# kernel.perf_event_paranoid at 1 or below): without it the smoke run says so and
+# skips, and a full run fails.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -72,11 +72,9 @@ wait_port "$mport"
 start_nginx "$mport"
 nport=$PORT
 nmaster=${PIDS[-1]}
-sport=$(free_port)
-spillgate_toml "$WORK/spillgate.toml" "$sport" "$mport"
-"$GATEWAY" --config "$WORK/spillgate.toml" >/dev/null 2>"$WORK/spillgate.log" &
-PIDS+=($!)
-spid=$!
+start_spillgate "$mport"
+sport=$PORT
+spid=${PIDS[-1]}
 wait_port "$nport"
 wait_port "$sport"
 # Assigned first, so that a failure to find them stops the script; perf takes a list.
@@ -132,27 +130,27 @@ python3 - "$TOP" "$((PERIOD_NS / 1000))" "${runs[@]}" <<'EOF'
 import collections, statistics, sys
 
 top, us_per_sample = int(sys.argv[1]), float(sys.argv[2])
-# target -> [per round: {"all", "kernel", "user", ("sym", dso, name): µs a request}]
+# target -> per round: (µs a request {"kernel", "user"}, µs a request {(dso, function)})
 rounds = collections.defaultdict(list)
 for run in sys.argv[3:]:
     target, _, requests, rep = run.split(maxsplit=3)
     requests = int(requests)
-    cost = collections.Counter()
+    side, functions = collections.Counter(), collections.Counter()
     for line in open(rep):
         parts = line.split()
         if len(parts) < 5:
             continue
         samples, dso, where, name = int(parts[1]), parts[2], parts[3], " ".join(parts[4:])
         us = samples * us_per_sample / requests
-        cost["all"] += us
         if where == "[k]":
-            cost["kernel"] += us
+            side["kernel"] += us
         else:
-            cost["user"] += us
-            cost[("sym", dso, name)] += us
-    if not cost["all"]:
+            side["user"] += us
+            functions[(dso, name)] += us
+    side["all"] = side["kernel"] + side["user"]
+    if not side["all"]:
         sys.exit(f"profile.sh: no samples of {target} in {rep}")
-    rounds[target].append(cost)
+    rounds[target].append((side, functions))
 
 def summary(values):
     med = statistics.median(values)
@@ -162,15 +160,15 @@ print("| 0 ms backend, JSON, 64 connections, sampled (cpu-clock) | rounds | µs 
 print("|---|---:|---:|---:|---:|")
 for target in ("nginx", "spillgate"):
     rs = rounds[target]
-    print(f"| {target} | {len(rs)} | " + " | ".join(summary([r[k] for r in rs]) for k in ("all", "kernel", "user")) + " |")
+    print(f"| {target} | {len(rs)} | " + " | ".join(summary([side[k] for side, _ in rs]) for k in ("all", "kernel", "user")) + " |")
 
 def medians(target):
-    rs = rounds[target]
-    keys = {k for r in rs for k in r if isinstance(k, tuple)}
-    return {k: statistics.median([r.get(k, 0.0) for r in rs]) for k in keys}
+    rs = [functions for _, functions in rounds[target]]
+    keys = {k for functions in rs for k in functions}
+    return {k: statistics.median([functions.get(k, 0.0) for functions in rs]) for k in keys}
 
 def name(key):
-    _, dso, sym = key
+    dso, sym = key
     return sym if dso in ("spillgate", "nginx") else f"{sym} ({dso})"
 
 med = {t: medians(t) for t in ("nginx", "spillgate")}
