@@ -2,11 +2,13 @@
 # Where each proxy's CPU time goes, by function: spillgate and nginx in front of the mock
 # backend, each sampled with `perf record` (the `cpu-clock` software event, once per
 # 200 µs of a thread's CPU time; it needs no hardware counters, so it works on virtual
-# machines too) while wrk sends the same JSON load at 64 connections, on loopback only.
+# machines too) while wrk sends the same JSON load at 64 connections (CONNS), on
+# loopback only.
 # The two take turns, ROUNDS times.
 #
 #   bench/profile.sh              # 3 rounds of 6 s per proxy, release build, top 25
 #   ROUNDS=5 SECS=8 TOP=40 bench/profile.sh
+#   CONNS=512 bench/profile.sh    # at 512 connections
 #   SPILLGATE_BIN=target/pgo/release/spillgate bench/profile.sh  # that gateway binary
 #   SMOKE=1 bench/profile.sh      # one round of a second, debug build (what ./test.sh runs)
 #
@@ -33,6 +35,7 @@ ROOT=$PWD
 ROUNDS=${ROUNDS:-3}
 SECS=${SECS:-6}
 TOP=${TOP:-25}
+CONNS=${CONNS:-64}
 # A sample every PERIOD_NS of a thread's CPU time (a fixed period: perf would lower a
 # frequency the kernel does not allow, and the figures would then be wrong).
 PERIOD_NS=200000
@@ -88,7 +91,7 @@ pass() { # name pids port out
     perf record -q -e cpu-clock -c "$PERIOD_NS" -p "$2" -o "$4.data" -- sleep "$SECS" >"$4.log" 2>&1 &
     local rec=$!
     local res requests=0 errors=0
-    res=$(BODY="$JSON" wrk -t2 -c64 -d"${SECS}s" --timeout 10s -s "$WORK/post.lua" \
+    res=$(BODY="$JSON" wrk -t2 -c"$CONNS" -d"${SECS}s" --timeout 10s -s "$WORK/post.lua" \
         "http://127.0.0.1:$3/v1/chat/completions" 2>/dev/null | grep '^RESULT' || true)
     if ! wait "$rec"; then
         echo "profile.sh: perf record of $1 failed:" >&2
@@ -126,13 +129,13 @@ for r in $(seq 1 "$ROUNDS"); do
     done
 done
 
-python3 - "$TOP" "$((PERIOD_NS / 1000))" "${runs[@]}" <<'EOF'
+python3 - "$TOP" "$((PERIOD_NS / 1000))" "$CONNS" "${runs[@]}" <<'EOF'
 import collections, statistics, sys
 
-top, us_per_sample = int(sys.argv[1]), float(sys.argv[2])
+top, us_per_sample, conns = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 # target -> per round: (µs a request {"kernel", "user"}, µs a request {(dso, function)})
 rounds = collections.defaultdict(list)
-for run in sys.argv[3:]:
+for run in sys.argv[4:]:
     target, _, requests, rep = run.split(maxsplit=3)
     requests = int(requests)
     side, functions = collections.Counter(), collections.Counter()
@@ -156,7 +159,7 @@ def summary(values):
     med = statistics.median(values)
     return f"{med:.3f} ({min(values):.3f} to {max(values):.3f})"
 
-print("| 0 ms backend, JSON, 64 connections, sampled (cpu-clock) | rounds | µs a request in all | in the kernel | in user space |")
+print(f"| 0 ms backend, JSON, {conns} connections, sampled (cpu-clock) | rounds | µs a request in all | in the kernel | in user space |")
 print("|---|---:|---:|---:|---:|")
 for target in ("nginx", "spillgate"):
     rs = rounds[target]
