@@ -203,6 +203,40 @@ start_spillgate() {
     PORT=$port
 }
 
+# cannot <script> <what>: ends a script that needs perf where perf cannot do `what`, the
+# reason in $WORK/check.log: a smoke run says so and succeeds (so that ./test.sh passes
+# on machines without the permission), a full run fails.
+cannot() {
+    if [[ -n ${SMOKE:-} ]]; then
+        echo "$1: perf cannot $2 here ($(head -1 "$WORK/check.log")); smoke run skipped" >&2
+        exit 0
+    fi
+    echo "$1: perf cannot $2 here:" >&2
+    cat "$WORK/check.log" >&2
+    exit 1
+}
+
+# start_both <start_mock's arguments...>: the mock, and nginx and the gateway each in
+# front of it, all listening; sets mport, nport, sport, spid (the gateway's pid) and
+# nworkers (nginx's worker pids, comma-separated, as perf takes them). Run in this
+# shell, as the start_* it calls.
+start_both() {
+    start_mock "$@"
+    mport=$PORT
+    wait_port "$mport"
+    start_nginx "$mport"
+    nport=$PORT
+    local nmaster=${PIDS[-1]}
+    start_spillgate "$mport"
+    sport=$PORT
+    spid=${PIDS[-1]}
+    wait_port "$nport"
+    wait_port "$sport"
+    # Assigned first, so that a failure to find them stops the script.
+    nworkers=$(worker_pids "$nmaster")
+    nworkers=$(tr -s ' ' ',' <<<"${nworkers% }")
+}
+
 # worker_pids <master_pid>: nginx's worker processes, space-separated, once there is one
 # a core (`worker_processes auto`): the master listens before it has forked them all.
 worker_pids() {

@@ -58,31 +58,10 @@ if [[ $(id -u) -ne 0 && $paranoid -gt 1 ]]; then
 elif ! perf record -q -e cpu-clock -o "$WORK/check.data" -- true >"$WORK/check.log" 2>&1; then
     sampling=no
 fi
-if [[ $sampling == no ]]; then
-    if [[ -n ${SMOKE:-} ]]; then
-        echo "profile.sh: perf cannot sample here ($(head -1 "$WORK/check.log")); smoke run skipped" >&2
-        exit 0
-    fi
-    echo "profile.sh: perf cannot sample here:" >&2
-    cat "$WORK/check.log" >&2
-    exit 1
-fi
+[[ $sampling == yes ]] || cannot profile.sh sample
 build_bins
 
-start_mock 0
-mport=$PORT
-wait_port "$mport"
-start_nginx "$mport"
-nport=$PORT
-nmaster=${PIDS[-1]}
-start_spillgate "$mport"
-sport=$PORT
-spid=${PIDS[-1]}
-wait_port "$nport"
-wait_port "$sport"
-# Assigned first, so that a failure to find them stops the script; perf takes a list.
-nworkers=$(worker_pids "$nmaster")
-nworkers=$(tr -s ' ' ',' <<<"${nworkers% }")
+start_both 0
 
 # One pass: samples of `pids` while wrk loads `port`; writes the report's lines
 # ("percent samples dso [.] symbol", `[k]` for the kernel's) to <out>.rep and prints the

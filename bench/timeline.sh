@@ -58,32 +58,12 @@ if [[ $(uname -m) != x86_64 ]]; then
     exit 1
 fi
 EVENTS=raw_syscalls:sys_enter,raw_syscalls:sys_exit
-if ! perf record -q -e "$EVENTS" -o "$WORK/check.data" -- true >"$WORK/check.log" 2>&1; then
-    if [[ -n ${SMOKE:-} ]]; then
-        echo "timeline.sh: perf cannot trace system calls here ($(head -1 "$WORK/check.log")); smoke run skipped" >&2
-        exit 0
-    fi
-    echo "timeline.sh: perf cannot trace system calls here:" >&2
-    cat "$WORK/check.log" >&2
-    exit 1
-fi
+perf record -q -e "$EVENTS" -o "$WORK/check.data" -- true >"$WORK/check.log" 2>&1 ||
+    cannot timeline.sh "trace system calls"
 build_bins
 
 # Three chunks 10 ms apart: only the first matters here.
-start_mock 0 3 10
-mport=$PORT
-wait_port "$mport"
-start_nginx "$mport"
-nport=$PORT
-nmaster=${PIDS[-1]}
-start_spillgate "$mport"
-sport=$PORT
-spid=${PIDS[-1]}
-wait_port "$nport"
-wait_port "$sport"
-# Assigned first, so that a failure to find them stops the script; perf takes a list.
-nworkers=$(worker_pids "$nmaster")
-nworkers=$(tr -s ' ' ',' <<<"${nworkers% }")
+start_both 0 3 10
 # The gateway's threads (a connection thread accepts and serves its own connections),
 # all started by now: its runtimes start them at start-up.
 sthreads=$(ls "/proc/$spid/task" | paste -sd, -)
