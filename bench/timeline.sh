@@ -100,9 +100,10 @@ python3 - "$WORK/trace.txt" "$nworkers" "$sthreads" "$STREAMS" <<'EOF'
 import collections, re, statistics, sys
 
 trace, nginx_tids, spillgate_tids, wanted = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-# System call numbers (x86-64) of the calls that read or write a socket, and accept4.
-READS = {0: "read", 45: "recvfrom", 47: "recvmsg"}
-WRITES = {1: "write", 20: "writev", 44: "sendto", 46: "sendmsg"}
+# System call numbers (x86-64): reads (read, recvfrom, recvmsg), writes (write, writev,
+# sendto, sendmsg), accepts (accept, accept4).
+READS = {0, 45, 47}
+WRITES = {1, 20, 44, 46}
 ACCEPT = {43, 288}
 line_re = re.compile(r"\s*(\d+)\s+([\d.]+):\s+raw_syscalls:sys_(enter|exit):\s+NR (\d+) (.*)")
 
