@@ -101,10 +101,12 @@ import collections, re, statistics, sys
 
 trace, nginx_tids, spillgate_tids, wanted = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 # System call numbers (x86-64): reads (read, recvfrom, recvmsg), writes (write, writev,
-# sendto, sendmsg), accepts (accept, accept4).
+# sendto, sendmsg), accepts (accept, accept4), waits for events (poll, select,
+# epoll_wait, pselect6, ppoll, epoll_pwait).
 READS = {0, 45, 47}
 WRITES = {1, 20, 44, 46}
 ACCEPT = {43, 288}
+WAITS = {7, 23, 232, 270, 271, 281}
 line_re = re.compile(r"\s*(\d+)\s+([\d.]+):\s+raw_syscalls:sys_(enter|exit):\s+NR (\d+) (.*)")
 
 # Each thread's calls, in order: (number, first argument, entered, left, result).
@@ -122,8 +124,6 @@ for line in open(trace):
         _, fd, began = entered.pop(tid)
         calls[tid].append((nr, fd, began, at, int(rest.split("=")[-1])))
 
-WAITS = {7, 23, 232, 270, 271, 281}  # poll, select, epoll_wait, pselect6, ppoll, epoll_pwait
-
 def streams(thread_calls):
     """Per stream accepted on this thread and timed: (accepted, request, backend,
     answer, woken for the request or None, woken for the answer or None) in µs, and
@@ -139,7 +139,8 @@ def streams(thread_calls):
         accepted_n += 1
         # Writes to other sockets after the request's read, by descriptor: the one
         # whose answer is then read is the backend's.
-        marks, writes, woke, j = {}, {}, None, i
+        # Times of the four calls; the two wake-ups, in µs (None without a wait before).
+        marks, writes, woke, woken, j = {}, {}, None, [None, None], i
         while j < len(thread_calls) and "client_write" not in marks:
             nr, fd, began, left, result = thread_calls[j]
             j += 1
@@ -151,7 +152,8 @@ def streams(thread_calls):
             elif "request" not in marks:
                 if nr in READS and fd == client and result > 0:
                     marks["request"], first = left, j
-                    marks["request_woken"] = began - woke if woke and woke > accepted else None
+                    if woke and woke > accepted:
+                        woken[0] = (began - woke) * 1e6
             elif "answer" not in marks:
                 # A write() of 8 bytes is a runtime waking another thread (an
                 # eventfd), not a request.
@@ -160,12 +162,11 @@ def streams(thread_calls):
                 elif nr in READS and fd in writes and result > 0:
                     marks["upstream_write"], marks["upstream_written"] = writes[fd]
                     marks["answer"] = left
-                    after = woke and woke > marks["upstream_written"]
-                    marks["answer_woken"] = began - woke if after else None
+                    if woke and woke > marks["upstream_written"]:
+                        woken[1] = (began - woke) * 1e6
             elif nr in WRITES and fd == client:
                 marks["client_write"] = began
                 us = lambda a, b: (marks[b] - marks[a]) * 1e6
-                woken = [w * 1e6 if w is not None else None for w in (marks["request_woken"], marks["answer_woken"])]
                 out.append((
                     (marks["request"] - accepted) * 1e6,
                     us("request", "upstream_write"),
