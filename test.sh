@@ -149,8 +149,10 @@ cargo test --workspace --bench '*'
 # The overhead benchmark (wrk, nginx and the gateway on loopback), one short case of each
 # part, on the debug build: it fails on any error, not on any number.
 SMOKE=1 bench/overhead.sh
-# Two builds in alternation (here the debug build against itself), a pass of each.
+# Two builds in alternation (here the debug build against itself), a pass of each, in
+# CPU time a JSON request and in time to a stream's first event.
 SMOKE=1 bench/ab.sh
+SMOKE=1 FIRST_EVENT=1 bench/ab.sh
 # Instructions (and simulated cache misses, and atomic instructions) per request under
 # callgrind, nginx and the gateway, one short run.
 SMOKE=1 CACHE=1 LOCKS=1 TOP=5 bench/instructions.sh

@@ -14,17 +14,29 @@
 #   SPILLGATE_BIN=target/pgo/release/spillgate bench/ab.sh HEAD
 #                                       # that binary (bench/pgo.sh's) in place of the
 #                                       # working tree's plain release build
+#   FIRST_EVENT=1 ROUNDS=20 bench/ab.sh 20ee176
+#                                       # time to a stream's first event instead
+#   FIRST_EVENT=1 SMOKE=1 bench/ab.sh   # seconds, the debug build against itself
 #
 # The other commit is built in a git worktree, into target/ab (kept between runs: after
 # the first, only the gateway's own crates build again). wrk -c64 (two threads) against
 # each build in turn, the order swapped every round, after a 1 s warm-up of each.
+#
+# With FIRST_EVENT, each round starts both gateways again (in turns first), then runs
+# STREAMS (100) rounds of bench/streams.py's `ttfb`: one SSE stream (chunks 10 ms apart)
+# to each build in a shuffled order, a new connection each, as bench/overhead.sh measures
+# the first event. What a round gives is the median, over its stream rounds, of the
+# working tree's time to the first event less the other build's in the same stream
+# round; the script prints the median of the rounds' values, their range and 95%
+# confidence interval, and in how many rounds it was below 0.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 ROUNDS=${ROUNDS:-6}
 PASS_SECS=${PASS_SECS:-4}
+STREAMS=${STREAMS:-100}
 if [[ -n ${SMOKE:-} ]]; then
-    ROUNDS=1; PASS_SECS=1
+    ROUNDS=1; PASS_SECS=1; STREAMS=5
 elif [[ $# -ne 1 ]]; then
     echo "usage: bench/ab.sh <commit>  (or SMOKE=1 bench/ab.sh)" >&2
     exit 2
@@ -48,23 +60,82 @@ else
     OLD=$AB_TARGET/release/spillgate
 fi
 
-[[ -n ${SDK:-} ]] && export MOCK_LIMITS=1 HEADERS=$SDK_HEADERS
-export BODY=$JSON
-start_mock 0
+if [[ -n ${FIRST_EVENT:-} ]]; then
+    if [[ -n ${SDK:-} ]]; then
+        echo "ab.sh: FIRST_EVENT measures streams (bench/streams.py's request); SDK is for JSON" >&2
+        exit 2
+    fi
+    start_mock 0 10 10
+else
+    [[ -n ${SDK:-} ]] && export MOCK_LIMITS=1 HEADERS=$SDK_HEADERS
+    export BODY=$JSON
+    start_mock 0
+fi
 MOCK_PORT=$PORT
 wait_port "$MOCK_PORT"
 
 declare -A GW_PORT GW_PID CPU RPS
-for build in old new; do
-    GW_PORT[$build]=$(free_port)
-    spillgate_toml "$WORK/$build.toml" "${GW_PORT[$build]}" "$MOCK_PORT"
-    bin=$OLD
-    [[ $build == new ]] && bin=$NEW
-    "$bin" --config "$WORK/$build.toml" >/dev/null 2>"$WORK/$build.log" &
-    PIDS+=($!)
-    GW_PID[$build]=$!
-    wait_port "${GW_PORT[$build]}" 10
-done
+# start_gateways <build...>: each build's gateway, in that order, on a port of its own,
+# in front of the mock; sets GW_PORT and GW_PID.
+start_gateways() {
+    local build bin
+    for build in "$@"; do
+        GW_PORT[$build]=$(free_port)
+        spillgate_toml "$WORK/$build.toml" "${GW_PORT[$build]}" "$MOCK_PORT"
+        bin=$OLD
+        [[ $build == new ]] && bin=$NEW
+        "$bin" --config "$WORK/$build.toml" >/dev/null 2>"$WORK/$build.log" &
+        PIDS+=($!)
+        GW_PID[$build]=$!
+        wait_port "${GW_PORT[$build]}" 10
+    done
+}
+start_gateways old new
+
+NEW_NAME="working tree"
+[[ -n ${SPILLGATE_BIN:-} ]] && NEW_NAME=$SPILLGATE_BIN
+
+if [[ -n ${FIRST_EVENT:-} ]]; then
+    declare -A P50=()
+    diffs=()
+    for round in $(seq 1 "$ROUNDS"); do
+        # Both gateways started again each round, in turns first: two processes of one
+        # binary, started once, differed by 15-20 µs through a whole run (their memory's
+        # place, their threads' cores), as much as the changes this measures.
+        if (( round > 1 )); then
+            kill "${GW_PID[old]}" "${GW_PID[new]}"
+            wait "${GW_PID[old]}" "${GW_PID[new]}" 2>/dev/null || true
+            if (( round % 2 == 0 )); then start_gateways new old; else start_gateways old new; fi
+        fi
+        urls="http://127.0.0.1:${GW_PORT[old]}/v1/chat/completions,http://127.0.0.1:${GW_PORT[new]}/v1/chat/completions"
+        # Each gateway's first streams (its connections to the backend, its code's first
+        # run) are not counted.
+        python3 bench/streams.py ttfb "$urls" 5 >/dev/null
+        res=$(python3 bench/streams.py ttfb "$urls" "$STREAMS")
+        for i in 0 1; do
+            build=old
+            [[ $i == 1 ]] && build=new
+            # Assigned first, so that a parse that fails stops the script.
+            fields=$(json_item "$i" <<<"$res" | json_fields n complete p50_ms added_p50_ms)
+            read -r n complete p50 added <<<"$fields"
+            if [[ $complete != "$n" || $n == 0 ]]; then
+                echo "ab.sh: $build build: $complete of $n streams complete" >&2
+                exit 1
+            fi
+            P50[$build]="${P50[$build]:-} $p50"
+        done
+        # The second URL's time less the first's, stream round by stream round.
+        diffs+=("$added")
+    done
+    read -r -a old_p50 <<<"${P50[old]}"; read -r -a new_p50 <<<"${P50[new]}"
+    echo "| build | rounds × streams | first event p50 ms |"
+    echo "|---|---:|---:|"
+    echo "| $OLD_NAME | $ROUNDS × $STREAMS | $(median_range %.3f "${old_p50[@]}") |"
+    echo "| $NEW_NAME | $ROUNDS × $STREAMS | $(median_range %.3f "${new_p50[@]}") |"
+    echo
+    echo "First event, $NEW_NAME less $OLD_NAME (median of the rounds' medians of the paired differences): $(median_range %+.3f "${diffs[@]}") ms; its 95% confidence interval $(median_ci %+.3f "${diffs[@]}") ms; below 0 in $(printf '%s\n' "${diffs[@]}" | awk '$1 < 0 {k++} END {printf "%d of %d", k, NR}') rounds"
+    exit 0
+fi
 
 # pass <build> <seconds>: one wrk run against it; appends its CPU µs a request and its
 # requests/s to CPU[build] and RPS[build].
@@ -98,8 +169,6 @@ echo "|---|---|---:|---:|---:|"
 body=json
 [[ -n ${SDK:-} ]] && body=sdk
 echo "| $OLD_NAME | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${old_rps[@]}") | $(median_range %.2f "${old_cpu[@]}") |"
-NEW_NAME="working tree"
-[[ -n ${SPILLGATE_BIN:-} ]] && NEW_NAME=$SPILLGATE_BIN
 echo "| $NEW_NAME | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${new_rps[@]}") | $(median_range %.2f "${new_cpu[@]}") |"
 # Each round's two passes ran back to back: their ratio leaves out what the machine's
 # speed did between rounds, which on a busy VM moved both builds by 2-3× within a run.

@@ -90,6 +90,16 @@ below_count() {
     printf '%s\n' "$@" | awk '$1 < 1 {k++} END {printf "%d of %d\n", k, NR}'
 }
 
+# json_fields <keys...>: the values of `keys` in the JSON object on stdin (a line of
+# bench/streams.py), space-separated.
+json_fields() {
+    python3 -c 'import json, sys; r = json.load(sys.stdin); print(*(r[k] for k in sys.argv[1:]))' "$@"
+}
+# json_item <index>: item <index> of the JSON list on stdin, as JSON (for json_fields).
+json_item() {
+    python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)[int(sys.argv[1])]))' "$1"
+}
+
 # wait_port <port> [seconds]: until something listens there (5 s by default).
 wait_port() {
     local tries=$(( ${2:-5} * 20 ))

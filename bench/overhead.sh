@@ -81,14 +81,6 @@ rss_of() { # pids
     local p
     for p in $1; do awk '/VmHWM/ {print $2}' "/proc/$p/status"; done | awk '{kb += $1} END {print kb/1024}'
 }
-# The values of `keys` in the JSON object on stdin (a line of bench/streams.py), space-separated.
-json_fields() { # keys...
-    python3 -c 'import json, sys; r = json.load(sys.stdin); print(*(r[k] for k in sys.argv[1:]))' "$@"
-}
-# Item <index> of the JSON list on stdin, as JSON (for json_fields).
-json_item() { # index
-    python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)[int(sys.argv[1])]))' "$1"
-}
 pid_on() { ss -ltnp "sport = :$1" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2; }
 
 # measure <url> <body> <connections> [pin] -> "rps p50 p99 p999 errors requests"
@@ -277,7 +269,7 @@ fi
 # ---------------------------------------------------------------------------
 # Streams: time to the first event, and many streams open at once.
 # ---------------------------------------------------------------------------
-TTFB_PASSES=${TTFB_PASSES:-3}; TTFB_N=${TTFB_N:-100}; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
+TTFB_PASSES=${TTFB_PASSES:-5}; TTFB_N=${TTFB_N:-100}; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
 if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
 
 # One stream at a time, chunks 10 ms apart: what a proxy adds before the first event.
@@ -286,19 +278,36 @@ if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; S
 # machine and follows each other as often. What a proxy adds is the median over a pass's
 # rounds of its time less direct's in the same round (its p99 less direct's, for p99);
 # the table gives the median over the passes, with their range.
+# Both proxies are started again for each pass, in turns first: two processes of one
+# gateway binary, each started once, differed by 15-20 µs through a whole run (where
+# their memory lay, which cores their threads took; see bench/ab.sh's FIRST_EVENT), as
+# much as the differences measured here.
 start_mock 0 10 10; mport=$PORT; wait_port "$mport"
-start_nginx "$mport"; nport=$PORT; wait_port "$nport"
-start_spillgate "$mport"; sport=$PORT; wait_port "$sport"
 echo
 echo "| stream, chunks 10 ms apart, one at a time, targets in turns ($TTFB_CLIENT) | streams | complete | first event p50 ms | p99 ms | p50 added ms | p99 added ms |"
 echo "|---|---:|---:|---:|---:|---:|---:|"
 declare -A T=()
 targets=(direct nginx spillgate)
-urls=""
-for port in "$mport" "$nport" "$sport"; do
-    urls+="${urls:+,}http://127.0.0.1:$port/v1/chat/completions"
-done
-for _ in $(seq 1 "$TTFB_PASSES"); do
+fe_nginx=""; fe_gateway=""
+for pass in $(seq 1 "$TTFB_PASSES"); do
+    if [[ -n $fe_nginx ]]; then
+        kill "$fe_nginx" "$fe_gateway"
+        wait "$fe_nginx" "$fe_gateway" 2>/dev/null || true
+    fi
+    if (( pass % 2 )); then
+        start_nginx "$mport"; nport=$PORT; fe_nginx=${PIDS[-1]}
+        start_spillgate "$mport"; sport=$PORT; fe_gateway=${PIDS[-1]}
+    else
+        start_spillgate "$mport"; sport=$PORT; fe_gateway=${PIDS[-1]}
+        start_nginx "$mport"; nport=$PORT; fe_nginx=${PIDS[-1]}
+    fi
+    wait_port "$nport"; wait_port "$sport"
+    urls=""
+    for port in "$mport" "$nport" "$sport"; do
+        urls+="${urls:+,}http://127.0.0.1:$port/v1/chat/completions"
+    done
+    # The proxies' first streams (their connections to the backend) are not counted.
+    python3 bench/streams.py "$TTFB_CLIENT" "$urls" 3 >/dev/null
     res=$(python3 bench/streams.py "$TTFB_CLIENT" "$urls" "$TTFB_N")
     for i in 0 1 2; do
         target=${targets[$i]}
