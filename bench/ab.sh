@@ -22,13 +22,15 @@
 # the first, only the gateway's own crates build again). wrk -c64 (two threads) against
 # each build in turn, the order swapped every round, after a 1 s warm-up of each.
 #
-# With FIRST_EVENT, each round starts both gateways again (in turns first), then runs
-# STREAMS (100) rounds of bench/streams.py's `ttfb`: one SSE stream (chunks 10 ms apart)
-# to each build in a shuffled order, a new connection each, as bench/overhead.sh measures
-# the first event. What a round gives is the median, over its stream rounds, of the
-# working tree's time to the first event less the other build's in the same stream
-# round; the script prints the median of the rounds' values, their range and 95%
-# confidence interval, and in how many rounds it was below 0.
+# With FIRST_EVENT, each round starts both gateways again (the two taking turns to be
+# started first), sends 5 uncounted stream rounds, then STREAMS (100) stream rounds of
+# bench/streams.py's `ttfb`: one SSE stream (chunks 10 ms apart) to each build, a new
+# connection each, as bench/overhead.sh measures the first event, in an order that
+# streams.py shuffles with a fixed seed (the same orders every round, each build first in
+# half of them). What a round gives is the median, over its stream rounds, of the working
+# tree's time to the first event less the other build's in the same stream round; the
+# script prints the median of the rounds' values, their range and 95% confidence
+# interval, and in how many rounds it was below 0. (It needs wrk all the same.)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -37,6 +39,8 @@ PASS_SECS=${PASS_SECS:-4}
 STREAMS=${STREAMS:-100}
 if [[ -n ${SMOKE:-} ]]; then
     ROUNDS=1; PASS_SECS=1; STREAMS=5
+    # Two rounds, so that the gateways' restart runs too.
+    [[ -n ${FIRST_EVENT:-} ]] && ROUNDS=2
 elif [[ $# -ne 1 ]]; then
     echo "usage: bench/ab.sh <commit>  (or SMOKE=1 bench/ab.sh)" >&2
     exit 2
@@ -84,7 +88,7 @@ start_gateways() {
         spillgate_toml "$WORK/$build.toml" "${GW_PORT[$build]}" "$MOCK_PORT"
         bin=$OLD
         [[ $build == new ]] && bin=$NEW
-        "$bin" --config "$WORK/$build.toml" >/dev/null 2>"$WORK/$build.log" &
+        "$bin" --config "$WORK/$build.toml" >/dev/null 2>>"$WORK/$build.log" &
         PIDS+=($!)
         GW_PID[$build]=$!
         wait_port "${GW_PORT[$build]}" 10
@@ -99,25 +103,25 @@ if [[ -n ${FIRST_EVENT:-} ]]; then
     declare -A P50=()
     diffs=()
     for round in $(seq 1 "$ROUNDS"); do
-        # Both gateways started again each round, in turns first: two processes of one
-        # binary, started once, differed by 15-20 µs through a whole run (their memory's
-        # place, their threads' cores), as much as the changes this measures.
+        # Both gateways are started again each round, the two taking turns to be started
+        # first: two processes started once can differ through a whole run (see
+        # bench/README.md), by as much as the changes this measures.
         if (( round > 1 )); then
-            kill "${GW_PID[old]}" "${GW_PID[new]}"
-            wait "${GW_PID[old]}" "${GW_PID[new]}" 2>/dev/null || true
+            stop "the $OLD_NAME gateway" "${GW_PID[old]}" "$WORK/old.log"
+            stop "the $NEW_NAME gateway" "${GW_PID[new]}" "$WORK/new.log"
             if (( round % 2 == 0 )); then start_gateways new old; else start_gateways old new; fi
         fi
         urls="http://127.0.0.1:${GW_PORT[old]}/v1/chat/completions,http://127.0.0.1:${GW_PORT[new]}/v1/chat/completions"
         # Each gateway's first streams (its connections to the backend, its code's first
-        # run) are not counted.
+        # run): 5 stream rounds, not counted.
         python3 bench/streams.py ttfb "$urls" 5 >/dev/null
         res=$(python3 bench/streams.py ttfb "$urls" "$STREAMS")
         for i in 0 1; do
             build=old
             [[ $i == 1 ]] && build=new
             # Assigned first, so that a parse that fails stops the script.
-            fields=$(json_item "$i" <<<"$res" | json_fields n complete p50_ms added_p50_ms)
-            read -r n complete p50 added <<<"$fields"
+            fields=$(json_item "$i" <<<"$res" | json_fields n complete p50_ms)
+            read -r n complete p50 <<<"$fields"
             if [[ $complete != "$n" || $n == 0 ]]; then
                 echo "ab.sh: $build build: $complete of $n streams complete" >&2
                 exit 1
@@ -125,6 +129,7 @@ if [[ -n ${FIRST_EVENT:-} ]]; then
             P50[$build]="${P50[$build]:-} $p50"
         done
         # The second URL's time less the first's, stream round by stream round.
+        added=$(json_item 1 <<<"$res" | json_fields added_p50_ms)
         diffs+=("$added")
     done
     read -r -a old_p50 <<<"${P50[old]}"; read -r -a new_p50 <<<"${P50[new]}"

@@ -41,6 +41,21 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# stop <name> <pid> <log>: ends a process this script started (and takes it out of
+# PIDS, so that the cleanup cannot hit a later process given the same pid); fails, with
+# its log, when it had already ended.
+stop() {
+    if ! kill "$2" 2>/dev/null; then
+        echo "$1 (pid $2) ended before it was stopped; its log:" >&2
+        cat "$3" >&2 || true
+        exit 1
+    fi
+    wait "$2" 2>/dev/null || true
+    local kept=() p
+    for p in "${PIDS[@]}"; do [[ $p == "$2" ]] || kept+=("$p"); done
+    PIDS=("${kept[@]}")
+}
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # The processes `pids` together (none: zeros): their user and system CPU seconds
@@ -208,7 +223,7 @@ start_nginx() {
 start_spillgate() {
     local port; port=$(free_port)
     spillgate_toml "$WORK/spillgate-$1.toml" "$port" "$1"
-    "$GATEWAY" --config "$WORK/spillgate-$1.toml" >/dev/null 2>"$WORK/spillgate-$1.log" &
+    "$GATEWAY" --config "$WORK/spillgate-$1.toml" >/dev/null 2>>"$WORK/spillgate-$1.log" &
     PIDS+=($!)
     PORT=$port
 }

@@ -270,7 +270,7 @@ fi
 # Streams: time to the first event, and many streams open at once.
 # ---------------------------------------------------------------------------
 TTFB_PASSES=${TTFB_PASSES:-5}; TTFB_N=${TTFB_N:-100}; STREAMS=5000; SCHUNKS=20; SINTERVAL=250
-if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
+if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=2; TTFB_N=10; STREAMS=100; SCHUNKS=5; SINTERVAL=20; fi
 
 # One stream at a time, chunks 10 ms apart: what a proxy adds before the first event.
 # TTFB_PASSES passes of TTFB_N rounds; a round is one stream to each target, in an order
@@ -278,10 +278,9 @@ if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=1; TTFB_N=10; STREAMS=100; SCHUNKS=5; S
 # machine and follows each other as often. What a proxy adds is the median over a pass's
 # rounds of its time less direct's in the same round (its p99 less direct's, for p99);
 # the table gives the median over the passes, with their range.
-# Both proxies are started again for each pass, in turns first: two processes of one
-# gateway binary, each started once, differed by 15-20 µs through a whole run (where
-# their memory lay, which cores their threads took; see bench/ab.sh's FIRST_EVENT), as
-# much as the differences measured here.
+# Both proxies are started again for each pass, the two taking turns to be started
+# first: two processes started once can differ through a whole run (see bench/README.md,
+# the thirty-fourth round), by as much as the differences measured here.
 start_mock 0 10 10; mport=$PORT; wait_port "$mport"
 echo
 echo "| stream, chunks 10 ms apart, one at a time, targets in turns ($TTFB_CLIENT) | streams | complete | first event p50 ms | p99 ms | p50 added ms | p99 added ms |"
@@ -291,8 +290,8 @@ targets=(direct nginx spillgate)
 fe_nginx=""; fe_gateway=""
 for pass in $(seq 1 "$TTFB_PASSES"); do
     if [[ -n $fe_nginx ]]; then
-        kill "$fe_nginx" "$fe_gateway"
-        wait "$fe_nginx" "$fe_gateway" 2>/dev/null || true
+        stop nginx "$fe_nginx" "$WORK/nginx-$mport/error.log"
+        stop "the gateway" "$fe_gateway" "$WORK/spillgate-$mport.log"
     fi
     if (( pass % 2 )); then
         start_nginx "$mport"; nport=$PORT; fe_nginx=${PIDS[-1]}

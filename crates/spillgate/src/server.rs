@@ -363,10 +363,10 @@ fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpL
         socket.set_reuseport(true)?;
         socket.set_nodelay(true)?;
         // Not `TCP_DEFER_ACCEPT` (accepting only once the request's first bytes are
-        // there, as nginx's `listen ... deferred`): tried, it made no difference to a
-        // stream's first event (`FIRST_EVENT=1 ROUNDS=20 bench/ab.sh`: +0.001 ms), and
-        // there is no safe way to set it (std's `set_deferaccept` is unstable; socket2
-        // and nix lack it).
+        // there, as nginx's `listen ... deferred`): a throwaway build with it showed no
+        // gain in a stream's first event (20 rounds as `FIRST_EVENT=1 bench/ab.sh`
+        // runs them: +0.001 ms, 95% CI -0.003 to +0.015), and there is no safe way to
+        // set it (std's `set_deferaccept` is unstable; socket2 and nix lack it).
         socket.bind(addr)?;
         out.push(socket.listen(1024)?.into_std()?);
     }
