@@ -104,7 +104,7 @@ if [[ -n ${FIRST_EVENT:-} ]]; then
     diffs=()
     for round in $(seq 1 "$ROUNDS"); do
         # Both gateways are started again each round, the two taking turns to be started
-        # first: two processes started once can differ through a whole run (see
+        # first: two processes started once may differ through a whole run (see
         # bench/README.md), by as much as the changes this measures.
         if (( round > 1 )); then
             stop "the $OLD_NAME gateway" "${GW_PID[old]}" "$WORK/old.log"
