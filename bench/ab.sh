@@ -30,7 +30,7 @@
 # half of them). What a round gives is the median, over its stream rounds, of the working
 # tree's time to the first event less the other build's in the same stream round; the
 # script prints the median of the rounds' values, their range and 95% confidence
-# interval, and in how many rounds it was below 0. (It needs wrk all the same.)
+# interval, and in how many rounds it was below 0.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -47,7 +47,7 @@ elif [[ $# -ne 1 ]]; then
 fi
 
 . bench/lib.sh
-need wrk wrk
+[[ -n ${FIRST_EVENT:-} ]] || need wrk wrk
 build_bins
 NEW=$GATEWAY
 if [[ -n ${SMOKE:-} ]]; then
@@ -138,7 +138,7 @@ if [[ -n ${FIRST_EVENT:-} ]]; then
     echo "| $OLD_NAME | $ROUNDS × $STREAMS | $(median_range %.3f "${old_p50[@]}") |"
     echo "| $NEW_NAME | $ROUNDS × $STREAMS | $(median_range %.3f "${new_p50[@]}") |"
     echo
-    echo "First event, $NEW_NAME less $OLD_NAME (median of the rounds' medians of the paired differences): $(median_range %+.3f "${diffs[@]}") ms; its 95% confidence interval $(median_ci %+.3f "${diffs[@]}") ms; below 0 in $(printf '%s\n' "${diffs[@]}" | awk '$1 < 0 {k++} END {printf "%d of %d", k, NR}') rounds"
+    echo "First event, $NEW_NAME less $OLD_NAME (median of the rounds' medians of the paired differences): $(median_range %+.3f "${diffs[@]}") ms; its 95% confidence interval $(median_ci %+.3f "${diffs[@]}") ms; below 0 in $(below_count 0 "${diffs[@]}") rounds"
     exit 0
 fi
 
@@ -183,7 +183,7 @@ for i in "${!new_cpu[@]}"; do
 done
 echo
 echo "CPU a request, $NEW_NAME against $OLD_NAME (medians): ${ratio}×"
-echo "The same, round by round (median of the rounds' ratios, with their range): $(median_range %.3f× "${paired[@]}"); its 95% confidence interval $(median_ci %.3f× "${paired[@]}"); lower in $(below_count "${paired[@]}") rounds"
+echo "The same, round by round (median of the rounds' ratios, with their range): $(median_range %.3f× "${paired[@]}"); its 95% confidence interval $(median_ci %.3f× "${paired[@]}"); lower in $(below_count 1 "${paired[@]}") rounds"
 if [[ -n ${AB_PASSES:-} ]]; then
     echo "old CPU: ${CPU[old]}"
     echo "new CPU: ${CPU[new]}"

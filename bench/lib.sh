@@ -99,10 +99,11 @@ median_ci() {
         if (k == 0) print "-"; else printf g " to " f "\n", v[k], v[n - k + 1] }'
 }
 
-# below_count <values...>: "k of n", k the values below 1 (a ratio's passes in which the
-# gateway measured less than nginx).
+# below_count <bound> <values...>: "k of n", k the values below bound (1 for a ratio's
+# passes in which the gateway measured less than nginx, 0 for differences).
 below_count() {
-    printf '%s\n' "$@" | awk '$1 < 1 {k++} END {printf "%d of %d\n", k, NR}'
+    local bound=$1; shift
+    printf '%s\n' "$@" | awk -v b="$bound" '$1 < b {k++} END {printf "%d of %d\n", k, NR}'
 }
 
 # json_fields <keys...>: the values of `keys` in the JSON object on stdin (a line of

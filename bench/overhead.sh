@@ -145,7 +145,7 @@ alternate() { # body nginx_port nginx_pids spillgate_port spillgate_pids
         cratio+=("$(awk -v a="$sc" -v b="$nc" 'BEGIN{ if (b>0) print a/b; else print 0 }')")
         unset M
     done
-    echo "| $body | $PASSES × ${PASS_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") | $(median_ci %.2f× "${cratio[@]}") | $(below_count "${cratio[@]}") | $(median_range %.1f "${un[@]}") | $(median_range %.1f "${us[@]}") | $(median_range %.1f "${sn[@]}") | $(median_range %.1f "${ss[@]}") |" >>"$WORK/passes.md"
+    echo "| $body | $PASSES × ${PASS_SECS} s | $(median_range %.0f "${rn[@]}") | $(median_range %.0f "${rs[@]}") | $(median_range %.2f× "${ratio[@]}") | $(median_range %.1f "${cn[@]}") | $(median_range %.1f "${cs[@]}") | $(median_range %.2f× "${cratio[@]}") | $(median_ci %.2f× "${cratio[@]}") | $(below_count 1 "${cratio[@]}") | $(median_range %.1f "${un[@]}") | $(median_range %.1f "${us[@]}") | $(median_range %.1f "${sn[@]}") | $(median_range %.1f "${ss[@]}") |" >>"$WORK/passes.md"
 }
 
 # The 1-connection passes (see where it is called); rows go to $WORK/pinned.md.
