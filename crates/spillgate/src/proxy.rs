@@ -1507,15 +1507,11 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
     let mut failures: Vec<Outcome> = Vec::new();
     let mut attempts: u32 = 0;
     let mut waited = Duration::ZERO;
-    // Boxed, as `last_answer` below: rare (an Azure-style request to an OpenAI-kind
-    // backend; a backend's own verdict kept for the end), and each byte the attempt
-    // loop holds is copied twice as the request's future is written into its
-    // connection's slot.
-    let mut lazy_body_info: Option<Box<BodyInfo>> = None;
+    let mut lazy_body_info: Option<BodyInfo> = None;
     let mut next = Next::Select;
     // The last attempt's answer when it was the backend's own verdict (a 4xx under a
     // `>=300` policy, say): if the backends run out, the client gets it as it is.
-    let mut last_answer: Option<Box<(BackendId, usize, Upstreamed)>> = None;
+    let mut last_answer: Option<(BackendId, usize, Upstreamed)> = None;
     // A failover is counted when the next attempt starts, not when there is none.
     let mut pending_failover: Option<(BackendId, Label)> = None;
 
@@ -1530,19 +1526,7 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
             return give_up(attempts, failures, last_answer);
         }
         let now = app.clock.now_ms();
-        // Taken apart where it is bound: a `pick` binding kept its 88 bytes in the loop's
-        // future beside its parts until the loop's turn ended (`-Zprint-type-sizes`).
-        let (
-            Pick {
-                id,
-                model: ci,
-                deployment,
-                mut probes,
-                mut reservation,
-            },
-            tries_before,
-            forced,
-        ) = match std::mem::replace(&mut next, Next::Select) {
+        let (pick, tries_before, forced) = match std::mem::replace(&mut next, Next::Select) {
             Next::Same {
                 backend,
                 model,
@@ -1686,6 +1670,13 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 }
             },
         };
+        let Pick {
+            id,
+            model: ci,
+            deployment,
+            mut probes,
+            mut reservation,
+        } = pick;
         if let Some((from, reason)) = pending_failover.take() {
             if from != id {
                 app.metrics
@@ -1994,12 +1985,12 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
                 failures.push(outcome);
                 match response {
                     Some(r) if !outcome.fails_over() => {
-                        discard(last_answer.take().map(|a| a.2));
-                        last_answer = Some(Box::new((id, ci, r)));
+                        discard(last_answer.take().map(|(_, _, r)| r));
+                        last_answer = Some((id, ci, r));
                     }
                     other => {
                         discard(other);
-                        discard(last_answer.take().map(|a| a.2));
+                        discard(last_answer.take().map(|(_, _, r)| r));
                     }
                 }
             }
@@ -2029,9 +2020,9 @@ async fn attempt_loop(ctx: &Ctx<'_>) -> Ended {
 fn give_up(
     attempts: u32,
     failures: Vec<Outcome>,
-    last_answer: Option<Box<(BackendId, usize, Upstreamed)>>,
+    last_answer: Option<(BackendId, usize, Upstreamed)>,
 ) -> Ended {
-    match last_answer.map(|a| *a) {
+    match last_answer {
         Some((backend, model, response)) => Ended::Served {
             backend,
             model,
@@ -2181,7 +2172,7 @@ fn prepare_attempt(
     backend: &BackendRt,
     model: &str,
     ctx: &Ctx<'_>,
-    lazy_body_info: &mut Option<Box<BodyInfo>>,
+    lazy_body_info: &mut Option<BodyInfo>,
 ) -> anyhow::Result<Prepared> {
     let req = ctx.req;
     let deployment = backend
@@ -2195,14 +2186,14 @@ fn prepare_attempt(
         (Some(i), _) => (Some(i), Some(req.model.as_str())),
         (None, BackendKind::Openai) => {
             if lazy_body_info.is_none() {
-                *lazy_body_info = Some(Box::new(inspect_body(&ctx.body).unwrap_or(BodyInfo {
+                *lazy_body_info = Some(inspect_body(&ctx.body).unwrap_or(BodyInfo {
                     model: None,
                     model_span: None,
                     is_object: false,
                     limits: [None; 4],
-                })));
+                }));
             }
-            let info = lazy_body_info.as_deref();
+            let info = lazy_body_info.as_ref();
             (info, info.and_then(|i| i.model.as_deref()))
         }
         (None, _) => (None, None),
