@@ -279,7 +279,7 @@ if [[ -n ${SMOKE:-} ]]; then TTFB_PASSES=2; TTFB_N=10; STREAMS=100; SCHUNKS=5; S
 # rounds of its time less direct's in the same round (its p99 less direct's, for p99);
 # the table gives the median over the passes, with their range.
 # Both proxies are started again for each pass, the two taking turns to be started
-# first: two processes started once may differ through a whole run (see bench/README.md,
+# first: two processes started once may differ through a whole run (see bench/HISTORY.md,
 # the thirty-fourth round), by as much as the differences measured here.
 start_mock 0 10 10; mport=$PORT; wait_port "$mport"
 echo
