@@ -9,6 +9,8 @@
 #   SDK=1 bench/ab.sh 20ee176           # with the OpenAI SDK's headers, answered with
 #                                       # Azure's x-ratelimit-* headers
 #   ROUNDS=8 PASS_SECS=4 bench/ab.sh 20ee176  # passes of each build (6), seconds each (4)
+#   CONNS=512 bench/ab.sh 20ee176       # wrk's connections (64): at 512 each request's
+#                                       # state is colder (bench/README.md)
 #   SMOKE=1 bench/ab.sh                 # seconds, the debug build against itself
 #   AB_PASSES=1 bench/ab.sh 20ee176     # also print each pass's CPU µs a request
 #   SPILLGATE_BIN=target/pgo/release/spillgate bench/ab.sh HEAD
@@ -19,7 +21,7 @@
 #   FIRST_EVENT=1 SMOKE=1 bench/ab.sh   # seconds, the debug build against itself
 #
 # The other commit is built in a git worktree, into target/ab (kept between runs: after
-# the first, only the gateway's own crates build again). wrk -c64 (two threads) against
+# the first, only the gateway's own crates build again). wrk -c64 (CONNS; two threads) against
 # each build in turn, the order swapped every round, after a 1 s warm-up of each.
 #
 # With FIRST_EVENT, each round starts both gateways again (the two taking turns to be
@@ -36,6 +38,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 ROUNDS=${ROUNDS:-6}
 PASS_SECS=${PASS_SECS:-4}
+CONNS=${CONNS:-64}
 STREAMS=${STREAMS:-100}
 if [[ -n ${SMOKE:-} ]]; then
     ROUNDS=1; PASS_SECS=1; STREAMS=5
@@ -147,7 +150,7 @@ fi
 pass() {
     local url="http://127.0.0.1:${GW_PORT[$1]}/v1/chat/completions" before after out req dur err
     before=$(cpu_total "${GW_PID[$1]}")
-    out=$(wrk -t2 -c64 -d"$2s" --timeout 10s -s "$WORK/post.lua" "$url" 2>/dev/null | grep '^RESULT')
+    out=$(wrk -t2 -c"$CONNS" -d"$2s" --timeout 10s -s "$WORK/post.lua" "$url" 2>/dev/null | grep '^RESULT')
     after=$(cpu_total "${GW_PID[$1]}")
     read -r _ req dur _ _ _ err <<<"$out"
     if [[ $err != 0 || $req == 0 ]]; then
@@ -158,7 +161,7 @@ pass() {
     RPS[$1]="${RPS[$1]:-} $(awk -v r="$req" -v d="$dur" 'BEGIN {printf "%.0f", r / (d / 1e6)}')"
 }
 
-for build in old new; do wrk -t2 -c64 -d1s -s "$WORK/post.lua" "http://127.0.0.1:${GW_PORT[$build]}/v1/chat/completions" >/dev/null; done
+for build in old new; do wrk -t2 -c"$CONNS" -d1s -s "$WORK/post.lua" "http://127.0.0.1:${GW_PORT[$build]}/v1/chat/completions" >/dev/null; done
 for round in $(seq 1 "$ROUNDS"); do
     order=(old new)
     (( round % 2 == 0 )) && order=(new old)
@@ -173,8 +176,8 @@ echo "| build | body | passes | requests/s | CPU µs a request |"
 echo "|---|---|---:|---:|---:|"
 body=json
 [[ -n ${SDK:-} ]] && body=sdk
-echo "| $OLD_NAME | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${old_rps[@]}") | $(median_range %.2f "${old_cpu[@]}") |"
-echo "| $NEW_NAME | $body | $ROUNDS × $PASS_SECS s | $(median_range %.0f "${new_rps[@]}") | $(median_range %.2f "${new_cpu[@]}") |"
+echo "| $OLD_NAME | $body | $ROUNDS × $PASS_SECS s, $CONNS connections | $(median_range %.0f "${old_rps[@]}") | $(median_range %.2f "${old_cpu[@]}") |"
+echo "| $NEW_NAME | $body | $ROUNDS × $PASS_SECS s, $CONNS connections | $(median_range %.0f "${new_rps[@]}") | $(median_range %.2f "${new_cpu[@]}") |"
 # Each round's two passes ran back to back: their ratio leaves out what the machine's
 # speed did between rounds, which on a busy VM moved both builds by 2-3× within a run.
 paired=()
