@@ -39,6 +39,10 @@ ROOT=$PWD
 ROUNDS=${ROUNDS:-6}
 PASS_SECS=${PASS_SECS:-4}
 CONNS=${CONNS:-64}
+if [[ ! $CONNS =~ ^[1-9][0-9]*$ ]]; then
+    echo "ab.sh: CONNS must be a number of connections, not '$CONNS'" >&2
+    exit 2
+fi
 STREAMS=${STREAMS:-100}
 if [[ -n ${SMOKE:-} ]]; then
     ROUNDS=1; PASS_SECS=1; STREAMS=5
