@@ -21,8 +21,9 @@
 #   FIRST_EVENT=1 SMOKE=1 bench/ab.sh   # seconds, the debug build against itself
 #
 # The other commit is built in a git worktree, into target/ab (kept between runs: after
-# the first, only the gateway's own crates build again). wrk -c64 (CONNS; two threads) against
-# each build in turn, the order swapped every round, after a 1 s warm-up of each.
+# the first, only the gateway's own crates build again). wrk (CONNS connections, two
+# threads) against each build in turn, the order swapped every round, after a 1 s
+# warm-up of each.
 #
 # With FIRST_EVENT, each round starts both gateways again (the two taking turns to be
 # started first), sends 5 uncounted stream rounds, then STREAMS (100) stream rounds of
