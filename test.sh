@@ -160,6 +160,8 @@ SMOKE=1 CACHE=1 LOCKS=1 TOP=5 bench/instructions.sh
 SMOKE=1 bench/profile.sh
 # A stream's first event, call by call, in each proxy (perf's system call tracing).
 SMOKE=1 bench/timeline.sh
+# The copies (memcpy and memmove calls) a JSON request makes, counted with gdb.
+SMOKE=1 bench/copies.sh
 # Reading request bodies for their model: each kind of prompt read once.
 SMOKE=1 bench/body.sh
 # The profile-guided build's training load, a second of each, against the debug build.
