@@ -40,10 +40,6 @@ ROOT=$PWD
 ROUNDS=${ROUNDS:-6}
 PASS_SECS=${PASS_SECS:-4}
 CONNS=${CONNS:-64}
-if [[ ! $CONNS =~ ^[1-9][0-9]*$ ]]; then
-    echo "ab.sh: CONNS must be a number of connections, not '$CONNS'" >&2
-    exit 2
-fi
 STREAMS=${STREAMS:-100}
 if [[ -n ${SMOKE:-} ]]; then
     ROUNDS=1; PASS_SECS=1; STREAMS=5
@@ -55,6 +51,7 @@ elif [[ $# -ne 1 ]]; then
 fi
 
 . bench/lib.sh
+positive CONNS "$CONNS" connections
 [[ -n ${FIRST_EVENT:-} ]] || need wrk wrk
 build_bins
 NEW=$GATEWAY

@@ -56,6 +56,14 @@ stop() {
     PIDS=("${kept[@]}")
 }
 
+# positive <name> <value> <what>: fails (exit 2, before anything is built or started)
+# unless value is a whole number above 0; the message names the setting and what it counts.
+positive() {
+    [[ $2 =~ ^[1-9][0-9]*$ ]] && return 0
+    echo "$(basename "$0"): $1 must be a number of $3, not '$2'" >&2
+    exit 2
+}
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # The processes `pids` together (none: zeros): their user and system CPU seconds
