@@ -204,4 +204,4 @@ echo "| called from (innermost frame; after ←, the innermost in the gateway's 
 echo "|---|---:|---:|---:|"
 awk -F'\t' -v n="$REQUESTS" '{k = $2 ($3 == "" ? "" : " ← " $3) "\t" $1; c[k]++; s[k] += $1}
     END { for (k in c) { split(k, p, "\t"); printf "%d\t| `%s` | %d | %.1f | %.0f |\n", s[k], p[1], p[2], c[k] / n, s[k] / n } }' "$WORK/copies.tsv" |
-    sort -t$'\t' -k1,1nr | head -n "$TOP" | cut -f2-
+    sort -t$'\t' -k1,1nr | awk -v t="$TOP" 'NR <= t' | cut -f2-

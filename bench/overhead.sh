@@ -81,7 +81,7 @@ rss_of() { # pids
     local p
     for p in $1; do awk '/VmHWM/ {print $2}' "/proc/$p/status"; done | awk '{kb += $1} END {print kb/1024}'
 }
-pid_on() { ss -ltnp "sport = :$1" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2; }
+pid_on() { ss -ltnp "sport = :$1" | grep -o 'pid=[0-9]*' | awk -F= 'NR == 1 {print $2}'; }
 
 # measure <url> <body> <connections> [pin] -> "rps p50 p99 p999 errors requests"
 measure() {
