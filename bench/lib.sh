@@ -285,12 +285,16 @@ worker_pids() {
 }
 
 # spillgate_server_toml <listen_port>: the gateway's settings in every bench config: no
-# admin listener, no client keys, warnings only.
+# admin listener, no client keys, warnings only; with CONFIG_POLL set (`0s`: only on SIGHUP),
+# the config file is polled that often rather than the default.
 spillgate_server_toml() {
     cat <<EOF
 [server]
 listen = "127.0.0.1:$1"
 max_connections = 20000
+EOF
+    [[ -z ${CONFIG_POLL:-} ]] || echo "config_poll = \"$CONFIG_POLL\""
+    cat <<EOF
 [admin]
 enabled = false
 [auth]
