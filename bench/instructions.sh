@@ -5,7 +5,8 @@
 # compare builds by.
 #
 #   bench/instructions.sh          # JSON, sdk and SSE, release build
-#   TOP=15 bench/instructions.sh   # also list spillgate's 15 costliest functions
+#   TOP=15 bench/instructions.sh   # also list spillgate's 15 costliest functions (with
+#                                  # CACHE=1, each one's code-cache misses too)
 #   SMOKE=1 bench/instructions.sh  # seconds, `sdk` only (ONLY is ignored), debug build
 #                                  # (what ./test.sh runs)
 #   KEEP=/tmp/cg bench/instructions.sh  # also keep the callgrind dumps (for callgrind_annotate)
@@ -111,17 +112,24 @@ load() { # port body seconds [headers]
         awk '/^RESULT/ {print $2, $7}'
 }
 
-# Self cost per function of a callgrind dump, costliest first.
+# Self cost per function of a callgrind dump, costliest first. With a dump made with
+# --cache-sim=yes, also each function's instruction-cache misses a request and its
+# instructions per miss: how densely the code a request runs lies in the lines it
+# fetches (a line of 64 bytes holds about 16 instructions of x86-64).
 top_functions() { # file requests count
     python3 - "$@" <<'EOF'
 import collections, sys
 path, n, top = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cost = collections.Counter()
-fn, call, ir = None, False, 1
+miss = collections.Counter()
+fn, call, ir, i1 = None, False, 1, None
 for line in open(path, errors="replace"):
     if line.startswith("positions:"):
-        # The first event (Ir) follows the positions: "line", or "instr line" (LOCKS).
+        # The events follow the positions: "line", or "instr line" (LOCKS).
         ir = len(line.split()) - 1
+    elif line.startswith("events:"):
+        names = line.split()[1:]
+        i1 = ir + names.index("I1mr") if "I1mr" in names else None
     elif line.startswith("fn="):
         fn = line[3:].strip()
     elif line.startswith("calls="):
@@ -130,10 +138,18 @@ for line in open(path, errors="replace"):
         if call:
             call = False
         elif fn is not None:
-            cost[fn] += int(line.split()[ir])
+            fields = line.split()
+            cost[fn] += int(fields[ir])
+            # Trailing events that are 0 are left out of a line.
+            if i1 is not None and len(fields) > i1:
+                miss[fn] += int(fields[i1])
 total = sum(cost.values())
 for f, c in cost.most_common(top):
-    print(f"| {c / n:,.0f} | {100 * c / total:.1f}% | `{f[:110]}` |")
+    row = f"| {c / n:,.0f} | {100 * c / total:.1f}% |"
+    if i1 is not None:
+        m = miss[f]
+        row += f" {m / n:,.1f} | {c / m:.1f} |" if m else " 0 | - |"
+    print(f"{row} `{f[:110]}` |")
 EOF
 }
 
@@ -323,8 +339,13 @@ if [[ -n ${TOP:-} ]]; then
         echo
         echo "spillgate's costliest functions, $body (own instructions, not counting callees):"
         echo
-        echo "| per request | share | function |"
-        echo "|---:|---:|---|"
+        if [[ -n ${CACHE:-} ]]; then
+            echo "| per request | share | I1 misses per request | instructions per miss | function |"
+            echo "|---:|---:|---:|---:|---|"
+        else
+            echo "| per request | share | function |"
+            echo "|---:|---:|---|"
+        fi
         top_functions "$WORK/top-$body.out" "$(cat "$WORK/top-$body.n")" "$TOP"
     done
 fi
