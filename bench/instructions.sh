@@ -112,10 +112,11 @@ load() { # port body seconds [headers]
         awk '/^RESULT/ {print $2, $7}'
 }
 
-# Self cost per function of a callgrind dump, costliest first. With a dump made with
-# --cache-sim=yes, also each function's instruction-cache misses a request and its
-# instructions per miss: how densely the code a request runs lies in the lines it
-# fetches (a line of 64 bytes holds about 16 instructions of x86-64).
+# Self cost per function of a callgrind dump, costliest first, as a markdown table with
+# its header. With a dump made with --cache-sim=yes, also each function's
+# instruction-cache misses a request and its instructions per miss: how densely the code
+# a request runs lies in the lines it fetches (a line of 64 bytes holds about 16
+# instructions of x86-64; a loop runs the lines it fetched again, and counts more).
 top_functions() { # file requests count
     python3 - "$@" <<'EOF'
 import collections, sys
@@ -144,6 +145,12 @@ for line in open(path, errors="replace"):
             if i1 is not None and len(fields) > i1:
                 miss[fn] += int(fields[i1])
 total = sum(cost.values())
+if i1 is None:
+    print("| per request | share | function |")
+    print("|---:|---:|---|")
+else:
+    print("| per request | share | I1 misses per request | instructions per miss | function |")
+    print("|---:|---:|---:|---:|---|")
 for f, c in cost.most_common(top):
     row = f"| {c / n:,.0f} | {100 * c / total:.1f}% |"
     if i1 is not None:
@@ -339,13 +346,6 @@ if [[ -n ${TOP:-} ]]; then
         echo
         echo "spillgate's costliest functions, $body (own instructions, not counting callees):"
         echo
-        if [[ -n ${CACHE:-} ]]; then
-            echo "| per request | share | I1 misses per request | instructions per miss | function |"
-            echo "|---:|---:|---:|---:|---|"
-        else
-            echo "| per request | share | function |"
-            echo "|---:|---:|---|"
-        fi
         top_functions "$WORK/top-$body.out" "$(cat "$WORK/top-$body.n")" "$TOP"
     done
 fi
