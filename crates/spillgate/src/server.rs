@@ -348,8 +348,14 @@ pub async fn start_on(
 fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
     // An address something else listens on is refused, as a plain bind would be: a second
     // gateway started on the same port must fail, not silently take half the connections
-    // (listeners with SO_REUSEPORT of the same user share a port).
-    let addr = std::net::TcpListener::bind(addr)?.local_addr()?;
+    // (listeners with SO_REUSEPORT of the same user share a port). Port 0 needs no such
+    // check (the kernel never picks a port another SO_REUSEPORT socket holds), and must
+    // not get one: between the check's socket closing and the first listener binding, an
+    // outgoing connection may take the port it picked.
+    let mut addr = addr;
+    if addr.port() != 0 {
+        addr = std::net::TcpListener::bind(addr)?.local_addr()?;
+    }
     let mut out = Vec::with_capacity(n);
     for _ in 0..n.max(1) {
         let socket = if addr.is_ipv4() {
@@ -368,7 +374,10 @@ fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpL
         // runs them: +0.001 ms, 95% CI -0.003 to +0.015), and there is no safe way to
         // set it (std's `set_deferaccept` is unstable; socket2 and nix lack it).
         socket.bind(addr)?;
-        out.push(socket.listen(1024)?.into_std()?);
+        let listener = socket.listen(1024)?;
+        // The port the kernel picked, for the listeners after the first to share.
+        addr = listener.local_addr()?;
+        out.push(listener.into_std()?);
     }
     Ok(out)
 }
@@ -590,6 +599,25 @@ mod tests {
         assert_eq!(ran.load(std::sync::atomic::Ordering::Relaxed), 0);
         behind_queued().await;
         assert_eq!(ran.load(std::sync::atomic::Ordering::Relaxed), 3);
+    }
+
+    #[tokio::test]
+    async fn port_0_gives_each_gateway_a_port_of_its_own() {
+        // Each gateway's listeners share one port, picked by the kernel as they bind
+        // (no probe socket closed before, whose port something else could take); no
+        // two gateways get the same one.
+        let mut ports = std::collections::HashSet::new();
+        let mut held = Vec::new();
+        for _ in 0..50 {
+            let listeners = bind_shared("127.0.0.1:0".parse().unwrap(), 3).unwrap();
+            let port = listeners[0].local_addr().unwrap().port();
+            assert_ne!(port, 0);
+            for l in &listeners {
+                assert_eq!(l.local_addr().unwrap().port(), port);
+            }
+            assert!(ports.insert(port), "port {port} given twice");
+            held.push(listeners);
+        }
     }
 
     #[tokio::test]
