@@ -45,8 +45,19 @@ impl RedisServer {
         let Some(mut s) = Self::unstarted()? else {
             return Ok(None);
         };
-        s.restart().await?;
-        Ok(Some(s))
+        // The port was free when picked, and something else may bind it before the
+        // server does: then another free port, as no one has this server's address yet.
+        let mut tries = 0;
+        loop {
+            match s.restart().await {
+                Ok(()) => return Ok(Some(s)),
+                Err(e) if tries == 2 => return Err(e),
+                Err(_) => {
+                    tries += 1;
+                    s.port = free_port()?;
+                }
+            }
+        }
     }
 
     /// A handle for a server on a free port that is not started yet (a gateway can be
@@ -125,9 +136,22 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", self.bin.display()))?;
+        let pid = child.id();
         self.child = Some(child);
         for _ in 0..200 {
-            if self.ping().await {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                anyhow::bail!(
+                    "redis-server on port {} exited as it started ({status}): is the port taken?",
+                    self.port
+                );
+            }
+            // The server answering must be this one: another process may hold the port.
+            if self.ping().await && self.process_id().await == Some(pid) {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
@@ -137,6 +161,14 @@ impl RedisServer {
             "redis-server on port {} did not answer within 5 s",
             self.port
         )
+    }
+
+    /// The `process_id` the server on the port gives in `INFO server`.
+    async fn process_id(&self) -> Option<u32> {
+        let info = self.command(&["INFO", "server"]).await.ok()?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("process_id:"))
+            .and_then(|v| v.trim().parse().ok())
     }
 
     /// Whether the server answers `PING` now.
@@ -170,5 +202,35 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         // A stopped process still dies of SIGKILL.
         self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_port_something_else_holds_is_an_error_not_that_other_server() {
+        let Some(mut other) = RedisServer::start().await.unwrap() else {
+            eprintln!("SKIPPED: no redis-server binary");
+            return;
+        };
+        // Another redis-server on the port: it answers PING, but it is not this one.
+        let mut clash = RedisServer {
+            bin: other.bin.clone(),
+            port: other.port(),
+            child: None,
+        };
+        let err = clash.restart().await.unwrap_err().to_string();
+        assert!(err.contains(&format!("port {}", other.port())), "{err}");
+        assert!(!clash.running());
+        assert!(other.ping().await, "the other server is untouched");
+        // A listener that answers nothing: the server's exit is what is reported (at
+        // once), not the 5 s without an answer.
+        let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).unwrap();
+        clash.port = listener.local_addr().unwrap().port();
+        let err = clash.restart().await.unwrap_err().to_string();
+        assert!(err.contains("exited as it started"), "{err}");
+        other.kill();
     }
 }
