@@ -350,8 +350,8 @@ fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpL
     // gateway started on the same port must fail, not silently take half the connections
     // (listeners with SO_REUSEPORT of the same user share a port). Port 0 needs no such
     // check (the kernel never picks a port another SO_REUSEPORT socket holds), and must
-    // not get one: between the check's socket closing and the first listener binding, an
-    // outgoing connection may take the port it picked.
+    // not get one: between the check's socket closing and the first listener binding,
+    // another socket may take the port it picked.
     let mut addr = addr;
     if addr.port() != 0 {
         addr = std::net::TcpListener::bind(addr)?.local_addr()?;
