@@ -603,9 +603,9 @@ mod tests {
 
     #[tokio::test]
     async fn port_0_gives_each_gateway_a_port_of_its_own() {
-        // Each gateway's listeners share one port, picked by the kernel as they bind
-        // (no probe socket closed before, whose port something else could take); no
-        // two gateways get the same one.
+        // Each gateway's listeners share the one port the kernel picked for the first of
+        // them, and no two gateways get the same one. (The race this binding removes, a
+        // probed port taken before the bind, is not reproduced here.)
         let mut ports = std::collections::HashSet::new();
         let mut held = Vec::new();
         for _ in 0..50 {
