@@ -14,17 +14,37 @@ START=$SECONDS
 STEP="setup"
 STEP_START=$SECONDS
 
+# Set by the last line: an exit before it (a signal, say, which leaves $? at the last
+# command's 0) is never reported as a pass.
+COMPLETED=0
 finish() {
     local code=$?
     local total=$((SECONDS - START))
     echo
-    if [[ $code -eq 0 ]]; then
+    if [[ $code -eq 0 && $COMPLETED -eq 1 ]]; then
         echo "test.sh: ALL CHECKS PASSED in ${total}s"
     else
         echo "test.sh: FAILED at step '${STEP}' (exit code ${code}) after ${total}s" >&2
     fi
 }
 trap finish EXIT
+for sig in HUP INT TERM; do
+    # shellcheck disable=SC2064 # the signal's name is meant to be fixed here
+    trap "echo 'test.sh: stopped by SIG${sig}' >&2; exit 1" "$sig"
+done
+
+# bounded <seconds> <command>...: runs a command with a time limit (SIGTERM, then SIGKILL
+# 30 s later), so that one that hangs fails here, named, instead of holding the whole
+# run until CI's own limit.
+bounded() {
+    local limit=$1 code=0
+    shift
+    timeout --kill-after=30 "$limit" "$@" || code=$?
+    if [[ $code -eq 124 || $code -eq 137 ]]; then
+        echo "test.sh: '$*' did not end within ${limit}s" >&2
+    fi
+    return "$code"
+}
 
 step() {
     if [[ $STEP != "setup" ]]; then
@@ -141,31 +161,31 @@ cargo build --workspace --bins
 
 step "cargo test"
 LOGDIR=$(mktemp -d)
-cargo test --workspace 2>&1 | tee "$LOGDIR/cargo-test.log"
+bounded 2400 cargo test --workspace 2>&1 | tee "$LOGDIR/cargo-test.log"
 
 step "benchmark smoke runs"
 # Each benchmark runs a few seconds under `cargo test --bench` so it cannot rot.
-cargo test --workspace --bench '*'
+bounded 900 cargo test --workspace --bench '*'
 # The overhead benchmark (wrk, nginx and the gateway on loopback), one short case of each
 # part, on the debug build: it fails on any error, not on any number.
-SMOKE=1 bench/overhead.sh
+SMOKE=1 bounded 900 bench/overhead.sh
 # Two builds in alternation (here the debug build against itself), a pass of each, in
 # CPU time a JSON request and in time to a stream's first event.
-SMOKE=1 bench/ab.sh
-SMOKE=1 FIRST_EVENT=1 bench/ab.sh
+SMOKE=1 bounded 900 bench/ab.sh
+SMOKE=1 FIRST_EVENT=1 bounded 900 bench/ab.sh
 # Instructions (and simulated cache misses, and atomic instructions) per request under
 # callgrind, nginx and the gateway, one short run.
-SMOKE=1 CACHE=1 LOCKS=1 TOP=5 bench/instructions.sh
+SMOKE=1 CACHE=1 LOCKS=1 TOP=5 bounded 900 bench/instructions.sh
 # Each proxy's CPU time by function, sampled with perf: one round of a second.
-SMOKE=1 bench/profile.sh
+SMOKE=1 bounded 900 bench/profile.sh
 # A stream's first event, call by call, in each proxy (perf's system call tracing).
-SMOKE=1 bench/timeline.sh
+SMOKE=1 bounded 900 bench/timeline.sh
 # The copies (memcpy and memmove calls) a JSON request makes, counted with gdb.
-SMOKE=1 bench/copies.sh
+SMOKE=1 bounded 900 bench/copies.sh
 # Reading request bodies for their model: each kind of prompt read once.
-SMOKE=1 bench/body.sh
+SMOKE=1 bounded 900 bench/body.sh
 # The profile-guided build's training load, a second of each, against the debug build.
-SMOKE=1 bench/pgo.sh
+SMOKE=1 bounded 900 bench/pgo.sh
 
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 [[ $TARGET_DIR = /* ]] || TARGET_DIR=$ROOT/$TARGET_DIR
@@ -181,7 +201,7 @@ step "demo smoke run"
 timeout 60 "$SPILLGATE_BIN" demo --load --exit --seconds 3 --listen 127.0.0.1:0 </dev/null
 
 step "pytest tests/python"
-"$PY" -m pytest tests/python -q </dev/null 2>&1 | tee "$LOGDIR/pytest.log"
+bounded 1200 "$PY" -m pytest tests/python -q </dev/null 2>&1 | tee "$LOGDIR/pytest.log"
 
 echo "    (${STEP}: $((SECONDS - STEP_START))s)"
 
@@ -192,3 +212,4 @@ echo
 echo "rust: ${rust_passed} passed, python: ${py_passed:-0} passed"
 echo "summary: $((rust_passed + ${py_passed:-0})) passed, 0 failed"
 rm -rf "$LOGDIR"
+COMPLETED=1

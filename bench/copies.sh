@@ -152,8 +152,9 @@ if ! kill -0 "$gdbpid" 2>/dev/null; then
     tail -5 "$WORK/gdb.out" >&2
     exit 1
 fi
-kill "$gdbpid" 2>/dev/null || true
-wait "$gdbpid" 2>/dev/null || true
+# The counting is done: gdb detaches on SIGTERM. A detach can leave the gateway
+# stopped; the cleanup's end_processes sees to that.
+end_processes "$gdbpid"
 if ! wait "$cpid"; then
     echo "the client failed:" >&2
     cat "$WORK/client.log" >&2

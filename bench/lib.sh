@@ -31,15 +31,38 @@ build_bins() {
     GATEWAY=${SPILLGATE_BIN:-$BIN/spillgate}
 }
 
-# WORK is removed and every process in PIDS killed when the script exits.
+# WORK is removed and every process in PIDS ended when the script exits.
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() {
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
+    end_processes "${PIDS[@]}"
     rm -rf "$WORK"
 }
 trap cleanup EXIT
+
+# end_processes <pid>...: SIGTERM, then SIGKILL to any still there after 5 s, then waits
+# for them. SIGCONT goes with the SIGTERM: a stopped process (a debugger that detached
+# can leave one stopped) only acts on SIGTERM once it runs, and waiting for it would
+# never end.
+end_processes() {
+    local p left
+    [[ $# -gt 0 ]] || return 0
+    for p in "$@"; do
+        kill "$p" 2>/dev/null || true
+        kill -CONT "$p" 2>/dev/null || true
+    done
+    for _ in $(seq 1 50); do
+        left=0
+        for p in "$@"; do
+            # Gone, or ended and waiting to be reaped (Z): not left.
+            case $(ps -o stat= -p "$p" 2>/dev/null) in "" | Z*) ;; *) left=1 ;; esac
+        done
+        [[ $left -eq 1 ]] || break
+        sleep 0.1
+    done
+    for p in "$@"; do kill -KILL "$p" 2>/dev/null || true; done
+    for p in "$@"; do wait "$p" 2>/dev/null || true; done
+}
 
 # stop <name> <pid> <log>: ends a process this script started (and takes it out of
 # PIDS, so that the cleanup cannot hit a later process given the same pid); fails, with
@@ -50,7 +73,7 @@ stop() {
         cat "$3" >&2 || true
         exit 1
     fi
-    wait "$2" 2>/dev/null || true
+    end_processes "$2"
     local kept=() p
     for p in "${PIDS[@]}"; do [[ $p == "$2" ]] || kept+=("$p"); done
     PIDS=("${kept[@]}")
