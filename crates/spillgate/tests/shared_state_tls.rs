@@ -42,39 +42,7 @@ async fn instances_share_state_over_tls_with_a_password() {
         eprintln!("SKIPPED: the openssl command is missing or failed");
         return;
     }
-    let port = free_port().unwrap();
-    let _redis = Killed(
-        Command::new(bin)
-            .args([
-                "--port",
-                "0",
-                "--tls-port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-            ])
-            .args([
-                "--tls-cert-file",
-                "server.crt",
-                "--tls-key-file",
-                "server.key",
-            ])
-            .args(["--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no"])
-            .args([
-                "--requirepass",
-                PASSWORD,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .current_dir(&dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let (port, _redis) = start_tls_redis(&bin, &dir).await;
 
     let (x, y) = (
         MockBackend::start(MockConfig::named("x")).await.unwrap(),
@@ -176,4 +144,65 @@ async fn instances_share_state_over_tls_with_a_password() {
     assert_eq!(client.request(req(b.addr)).await.unwrap().status(), 200);
     assert_eq!(x.hits(), 1);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A TLS-only `redis-server` with [`PASSWORD`] on a free port, the certificates in `dir`.
+/// The port was free when picked and something else may take it before the server binds
+/// it: the server then exits at once, and another port is tried.
+async fn start_tls_redis(bin: &std::path::Path, dir: &std::path::Path) -> (u16, Killed) {
+    for _ in 0..3 {
+        let port = free_port().unwrap();
+        let mut child = Killed(
+            Command::new(bin)
+                .args([
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                ])
+                .args([
+                    "--tls-cert-file",
+                    "server.crt",
+                    "--tls-key-file",
+                    "server.key",
+                ])
+                .args(["--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no"])
+                .args([
+                    "--requirepass",
+                    PASSWORD,
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .current_dir(dir)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        // Listening, and still running once it is: a server that could not bind its
+        // port has exited by the time anything answers on it.
+        for _ in 0..200 {
+            if child.0.try_wait().unwrap().is_some() {
+                break;
+            }
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if child.0.try_wait().unwrap().is_none() {
+                    return (port, child);
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        eprintln!("redis-server on port {port} did not start; trying another port");
+    }
+    panic!("redis-server did not start on any of 3 free ports");
 }
