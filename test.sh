@@ -35,11 +35,18 @@ done
 
 # bounded <seconds> <command>...: runs a command with a time limit (SIGTERM, then SIGKILL
 # 30 s later), so that one that hangs fails here, named, instead of holding the whole
-# run until CI's own limit.
+# run until CI's own limit. timeout(1) signals the command's whole process group, which
+# it makes its own; at a terminal that group would not get the terminal's Ctrl-C, so
+# there (--foreground) it stays in the terminal's group and only the command itself is
+# timed.
+BOUNDED_OPTS=(--kill-after=30)
+if [[ -t 0 || -t 1 || -t 2 ]]; then
+    BOUNDED_OPTS+=(--foreground)
+fi
 bounded() {
     local limit=$1 code=0
     shift
-    timeout --kill-after=30 "$limit" "$@" || code=$?
+    timeout "${BOUNDED_OPTS[@]}" "$limit" "$@" || code=$?
     if [[ $code -eq 124 || $code -eq 137 ]]; then
         echo "test.sh: '$*' did not end within ${limit}s" >&2
     fi
