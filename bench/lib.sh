@@ -31,6 +31,11 @@ build_bins() {
     GATEWAY=${SPILLGATE_BIN:-$BIN/spillgate}
 }
 
+# No core dumps from the processes the scripts start: a gateway that gdb left with a
+# breakpoint in it (bench/copies.sh) dies of SIGTRAP, and its core, hundreds of MB, would
+# land in the repository.
+ulimit -c 0
+
 # WORK is removed and every process in PIDS ended when the script exits.
 WORK=$(mktemp -d)
 PIDS=()
