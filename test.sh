@@ -17,9 +17,17 @@ STEP_START=$SECONDS
 # Set by the last line: an exit before it (a signal, say, which leaves $? at the last
 # command's 0) is never reported as a pass.
 COMPLETED=0
+# The `timeout` of the step that runs under `bounded`, for the exit trap to end.
+BOUNDED_PID=""
 finish() {
     local code=$?
     local total=$((SECONDS - START))
+    if [[ -n $BOUNDED_PID ]]; then
+        # timeout passes the signal on to the step's processes, and kills them 30 s later
+        # if they are still there.
+        kill "$BOUNDED_PID" 2>/dev/null || true
+        wait "$BOUNDED_PID" 2>/dev/null || true
+    fi
     echo
     if [[ $code -eq 0 && $COMPLETED -eq 1 ]]; then
         echo "test.sh: ALL CHECKS PASSED in ${total}s"
@@ -33,21 +41,42 @@ for sig in HUP INT TERM; do
     trap "echo 'test.sh: stopped by SIG${sig}' >&2; exit 1" "$sig"
 done
 
-# bounded <seconds> <command>...: runs a command with a time limit (SIGTERM, then SIGKILL
-# 30 s later), so that one that hangs fails here, named, instead of holding the whole
-# run until CI's own limit. timeout(1) signals the command's whole process group, which
-# it makes its own; at a terminal that group would not get the terminal's Ctrl-C, so
-# there (--foreground) it stays in the terminal's group and only the command itself is
-# timed.
-BOUNDED_OPTS=(--kill-after=30)
-if [[ -t 0 || -t 1 || -t 2 ]]; then
-    BOUNDED_OPTS+=(--foreground)
-fi
+# bounded <seconds> [--log <file>] <command>...: runs a command with a time limit, so
+# that one that hangs fails here, named, instead of holding the whole run until CI's own
+# limit. timeout(1) gives the command a process group of its own and, at the limit,
+# sends SIGTERM to all of it, then SIGKILL 30 s later. The command runs in the background
+# and is waited for: `wait` gives way to a signal's trap at once (Ctrl-C included, which
+# the command's own group does not get), where a command in the foreground would hold
+# the trap until it ended. With --log, its output goes to the file as well.
 bounded() {
-    local limit=$1 code=0
+    local limit=$1 code=0 began=$SECONDS log=""
     shift
-    timeout "${BOUNDED_OPTS[@]}" "$limit" "$@" || code=$?
-    if [[ $code -eq 124 || $code -eq 137 ]]; then
+    if [[ $1 == --log ]]; then
+        log=$2
+        shift 2
+    fi
+    local out tee_pid=""
+    if [[ -n $log ]]; then
+        exec {out}> >(tee "$log")
+        tee_pid=$!
+        timeout --kill-after=30 "$limit" "$@" >&"$out" 2>&1 &
+        BOUNDED_PID=$!
+        exec {out}>&-
+    else
+        timeout --kill-after=30 "$limit" "$@" &
+        BOUNDED_PID=$!
+    fi
+    wait "$BOUNDED_PID" || code=$?
+    BOUNDED_PID=""
+    if [[ -n $tee_pid ]]; then
+        # tee ends when the last of the command's processes has closed the pipe: its
+        # output comes before the next step's, unless something left behind holds it.
+        for _ in $(seq 1 100); do
+            kill -0 "$tee_pid" 2>/dev/null || break
+            sleep 0.1
+        done
+    fi
+    if [[ $code -ne 0 && $((SECONDS - began)) -ge $limit ]]; then
         echo "test.sh: '$*' did not end within ${limit}s" >&2
     fi
     return "$code"
@@ -168,7 +197,7 @@ cargo build --workspace --bins
 
 step "cargo test"
 LOGDIR=$(mktemp -d)
-bounded 2400 cargo test --workspace 2>&1 | tee "$LOGDIR/cargo-test.log"
+bounded 2400 --log "$LOGDIR/cargo-test.log" cargo test --workspace
 
 step "benchmark smoke runs"
 # Each benchmark runs a few seconds under `cargo test --bench` so it cannot rot.
@@ -205,10 +234,10 @@ export SPILLGATE_MOCK_BIN=$TARGET_DIR/debug/spillgate-mock
 
 step "demo smoke run"
 # --exit: stop when the load ends (without it the demo serves on until Ctrl-C).
-timeout 60 "$SPILLGATE_BIN" demo --load --exit --seconds 3 --listen 127.0.0.1:0 </dev/null
+bounded 60 "$SPILLGATE_BIN" demo --load --exit --seconds 3 --listen 127.0.0.1:0 </dev/null
 
 step "pytest tests/python"
-bounded 1200 "$PY" -m pytest tests/python -q </dev/null 2>&1 | tee "$LOGDIR/pytest.log"
+bounded 1200 --log "$LOGDIR/pytest.log" "$PY" -m pytest tests/python -q </dev/null
 
 echo "    (${STEP}: $((SECONDS - STEP_START))s)"
 

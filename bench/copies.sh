@@ -162,6 +162,7 @@ for _ in $(seq 1 100); do
     sleep 0.1
 done
 end_processes "$gdbpid"
+forget "$gdbpid"
 if ! wait "$cpid"; then
     echo "the client failed:" >&2
     cat "$WORK/client.log" >&2
@@ -169,6 +170,7 @@ if ! wait "$cpid"; then
     tail -5 "$WORK/gdb.out" >&2
     exit 1
 fi
+forget "$cpid"
 [[ -e $WORK/done ]] || { echo "the requests did not finish; gdb said:" >&2; tail -5 "$WORK/gdb.out" >&2; exit 1; }
 grep -q '^COPY ' "$WORK/gdb.out" || { echo "no copy was counted; gdb said:" >&2; tail -5 "$WORK/gdb.out" >&2; exit 1; }
 

@@ -45,28 +45,40 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# end_processes <pid>...: SIGTERM, then SIGKILL to any still there after 5 s, then waits
-# for them. SIGCONT goes with the SIGTERM: a stopped process (a debugger that detached
-# can leave one stopped) only acts on SIGTERM once it runs, and waiting for it would
-# never end.
+# end_processes <pid>...: SIGTERM to those still running that this script started, then
+# SIGKILL to any still there after 5 s, then waits for them. SIGCONT goes with the
+# SIGTERM: a stopped process (a debugger that detached can leave one stopped) only acts
+# on SIGTERM once it runs, and waiting for it would never end. A pid whose process has
+# ended and been reaped may be another process's by now: only processes whose parent is
+# this shell are signalled.
 end_processes() {
-    local p left
-    [[ $# -gt 0 ]] || return 0
+    local p mine=() left
     for p in "$@"; do
+        own_running "$p" && mine+=("$p")
+    done
+    for p in "${mine[@]}"; do
         kill "$p" 2>/dev/null || true
         kill -CONT "$p" 2>/dev/null || true
     done
     for _ in $(seq 1 50); do
-        left=0
-        for p in "$@"; do
-            # Gone, or ended and waiting to be reaped (Z): not left.
-            case $(ps -o stat= -p "$p" 2>/dev/null) in "" | Z*) ;; *) left=1 ;; esac
+        left=()
+        for p in "${mine[@]}"; do
+            own_running "$p" && left+=("$p")
         done
-        [[ $left -eq 1 ]] || break
+        [[ ${#left[@]} -gt 0 ]] || break
         sleep 0.1
     done
-    for p in "$@"; do kill -KILL "$p" 2>/dev/null || true; done
+    for p in "${left[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
     for p in "$@"; do wait "$p" 2>/dev/null || true; done
+}
+
+# own_running <pid>: whether the process is this shell's child and has not ended (its
+# state in /proc/<pid>/stat, the field after the name, is not Z).
+own_running() {
+    local stat state ppid
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    read -r state ppid _ <<<"${stat##*) }"
+    [[ $state != Z && $ppid == "$$" ]]
 }
 
 # stop <name> <pid> <log>: ends a process this script started (and takes it out of
@@ -79,8 +91,14 @@ stop() {
         exit 1
     fi
     end_processes "$2"
+    forget "$2"
+}
+
+# forget <pid>: takes an ended process out of PIDS, so that the cleanup cannot hit a
+# later process given the same pid.
+forget() {
     local kept=() p
-    for p in "${PIDS[@]}"; do [[ $p == "$2" ]] || kept+=("$p"); done
+    for p in "${PIDS[@]}"; do [[ $p == "$1" ]] || kept+=("$p"); done
     PIDS=("${kept[@]}")
 }
 

@@ -88,6 +88,7 @@ train() {
         # A clean stop: the profile is written when the process exits.
         kill -TERM "$pid"
         wait "$pid" || true
+        forget "$pid"
     done
 }
 

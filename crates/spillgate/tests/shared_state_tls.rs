@@ -148,10 +148,14 @@ async fn instances_share_state_over_tls_with_a_password() {
 
 /// A TLS-only `redis-server` with [`PASSWORD`] on a free port, the certificates in `dir`.
 /// The port was free when picked and something else may take it before the server binds
-/// it: the server then exits at once, and another port is tried.
+/// it: the server then exits without saying it is ready, and another port is tried. An
+/// answer on the port would not tell the two apart (the other process answers too).
 async fn start_tls_redis(bin: &std::path::Path, dir: &std::path::Path) -> (u16, Killed) {
+    let mut logs = String::new();
     for _ in 0..3 {
         let port = free_port().unwrap();
+        let log_path = dir.join(format!("redis-{port}.log"));
+        let log = std::fs::File::create(&log_path).unwrap();
         let mut child = Killed(
             Command::new(bin)
                 .args([
@@ -179,30 +183,24 @@ async fn start_tls_redis(bin: &std::path::Path, dir: &std::path::Path) -> (u16, 
                 ])
                 .current_dir(dir)
                 .stdin(Stdio::null())
-                .stdout(Stdio::null())
+                .stdout(log)
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap(),
         );
-        // Listening, and still running once it is: a server that could not bind its
-        // port has exited by the time anything answers on it.
+        // Redis logs this once its listeners are bound, and exits when one cannot be.
         for _ in 0..200 {
-            if child.0.try_wait().unwrap().is_some() {
-                break;
+            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+            if text.contains("Ready to accept connections") {
+                return (port, child);
             }
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                if child.0.try_wait().unwrap().is_none() {
-                    return (port, child);
-                }
+            if child.0.try_wait().unwrap().is_some() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        eprintln!("redis-server on port {port} did not start; trying another port");
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        logs.push_str(&format!("--- port {port}:\n{text}\n"));
     }
-    panic!("redis-server did not start on any of 3 free ports");
+    panic!("redis-server did not start on any of 3 free ports; its logs:\n{logs}");
 }
