@@ -42,7 +42,7 @@ async fn instances_share_state_over_tls_with_a_password() {
         eprintln!("SKIPPED: the openssl command is missing or failed");
         return;
     }
-    let (port, _redis) = start_tls_redis(&bin, &dir).await;
+    let (port, _redis) = start_tls_redis(&bin, &dir, || free_port().unwrap()).await;
 
     let (x, y) = (
         MockBackend::start(MockConfig::named("x")).await.unwrap(),
@@ -146,14 +146,54 @@ async fn instances_share_state_over_tls_with_a_password() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A TLS-only `redis-server` with [`PASSWORD`] on a free port, the certificates in `dir`.
-/// The port was free when picked and something else may take it before the server binds
-/// it: the server then exits without saying it is ready, and another port is tried. An
-/// answer on the port would not tell the two apart (the other process answers too).
-async fn start_tls_redis(bin: &std::path::Path, dir: &std::path::Path) -> (u16, Killed) {
+#[tokio::test]
+async fn a_port_something_else_took_is_passed_over() {
+    let Some(bin) = redis_server_binary() else {
+        eprintln!("SKIPPED: redis-server is not installed (./test.sh installs it)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("spillgate-tls-{}", free_port().unwrap()));
+    std::fs::create_dir_all(&dir).unwrap();
+    if !test_certificates(&dir).unwrap() {
+        eprintln!("SKIPPED: the openssl command is missing or failed");
+        return;
+    }
+    // The first port picked is held by a listener that accepts and answers nothing: a
+    // connection to it succeeds, but the server cannot bind it.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let mut picks = vec![taken_port];
+    let (port, mut redis) = start_tls_redis(&bin, &dir, || {
+        picks.pop().unwrap_or_else(|| free_port().unwrap())
+    })
+    .await;
+    assert_ne!(port, taken_port);
+    assert!(redis.0.try_wait().unwrap().is_none(), "the server runs");
+    assert!(
+        std::fs::read_to_string(dir.join(format!("redis-{port}.log")))
+            .unwrap()
+            .contains("Ready to accept connections")
+    );
+    assert!(
+        std::fs::read_to_string(dir.join(format!("redis-{taken_port}.log")))
+            .unwrap()
+            .contains("Could not create server TCP listening socket")
+    );
+}
+
+/// A TLS-only `redis-server` with [`PASSWORD`] on a port `pick` gives (a free one), the
+/// certificates in `dir`. The port was free when picked and something else may take it
+/// before the server binds it: the server then exits without saying it is ready, and
+/// another port is tried. An answer on the port would not tell the two apart (the other
+/// process answers too).
+async fn start_tls_redis(
+    bin: &std::path::Path,
+    dir: &std::path::Path,
+    mut pick: impl FnMut() -> u16,
+) -> (u16, Killed) {
     let mut logs = String::new();
     for _ in 0..3 {
-        let port = free_port().unwrap();
+        let port = pick();
         let log_path = dir.join(format!("redis-{port}.log"));
         let log = std::fs::File::create(&log_path).unwrap();
         let mut child = Killed(
