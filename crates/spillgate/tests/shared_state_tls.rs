@@ -30,18 +30,27 @@ impl Drop for Killed {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn instances_share_state_over_tls_with_a_password() {
+/// The `redis-server` binary, and a new directory with the test certificates in it; `None`
+/// (the test then skips, saying why) without the binary or the `openssl` command.
+fn tls_setup() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
     let Some(bin) = redis_server_binary() else {
         eprintln!("SKIPPED: redis-server is not installed (./test.sh installs it)");
-        return;
+        return None;
     };
     let dir = std::env::temp_dir().join(format!("spillgate-tls-{}", free_port().unwrap()));
     std::fs::create_dir_all(&dir).unwrap();
     if !test_certificates(&dir).unwrap() {
         eprintln!("SKIPPED: the openssl command is missing or failed");
-        return;
+        return None;
     }
+    Some((bin, dir))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_share_state_over_tls_with_a_password() {
+    let Some((bin, dir)) = tls_setup() else {
+        return;
+    };
     let (port, _redis) = start_tls_redis(&bin, &dir, || free_port().unwrap()).await;
 
     let (x, y) = (
@@ -148,16 +157,9 @@ async fn instances_share_state_over_tls_with_a_password() {
 
 #[tokio::test]
 async fn a_port_something_else_took_is_passed_over() {
-    let Some(bin) = redis_server_binary() else {
-        eprintln!("SKIPPED: redis-server is not installed (./test.sh installs it)");
+    let Some((bin, dir)) = tls_setup() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("spillgate-tls-{}", free_port().unwrap()));
-    std::fs::create_dir_all(&dir).unwrap();
-    if !test_certificates(&dir).unwrap() {
-        eprintln!("SKIPPED: the openssl command is missing or failed");
-        return;
-    }
     // The first port picked is held by a listener that accepts and answers nothing: a
     // connection to it succeeds, but the server cannot bind it.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -179,6 +181,8 @@ async fn a_port_something_else_took_is_passed_over() {
             .unwrap()
             .contains("Could not create server TCP listening socket")
     );
+    drop(redis);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A TLS-only `redis-server` with [`PASSWORD`] on a port `pick` gives (a free one), the
