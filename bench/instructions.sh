@@ -261,8 +261,7 @@ for body in "${BODIES[@]}"; do
         read -r requests errors <<<"$(load "$PORT" "$payload" "$DURATION" "$headers")"
         callgrind_control -d "$VG" >/dev/null 2>&1 || true
         kill -INT "$VG" 2>/dev/null || true
-        wait "$VG" 2>/dev/null || true
-        forget "$VG"
+        await_exit "$VG" 120 "valgrind ($target)"
         # The dump asked for with -d is "$out.1"; the one written at exit is "$out".
         total=""
         [[ -f $out.1 ]] && total=$(awk '/^totals:/ {print $2}' "$out.1")

@@ -78,7 +78,7 @@ own_running() {
     local stat state ppid
     stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
     read -r state ppid _ <<<"${stat##*) }"
-    [[ $state != Z && $ppid == "$$" ]]
+    [[ $state != Z && $ppid == "$BASHPID" ]]
 }
 
 # stop <name> <pid> <log>: ends a process this script started (and takes it out of
@@ -92,6 +92,23 @@ stop() {
     fi
     end_processes "$2"
     forget "$2"
+}
+
+# await_exit <pid> <seconds> <what>: waits for a process that was asked to end (one whose
+# clean exit matters: it writes something as it goes) and takes it out of PIDS; fails,
+# saying so, when it is still there after the seconds given, and the cleanup then ends it.
+await_exit() {
+    local i
+    for ((i = 0; i < $2 * 10; i++)); do
+        own_running "$1" || break
+        sleep 0.1
+    done
+    if own_running "$1"; then
+        echo "$3 (pid $1) did not end within $2 s of being asked to" >&2
+        return 1
+    fi
+    wait "$1" 2>/dev/null || true
+    forget "$1"
 }
 
 # forget <pid>: takes an ended process out of PIDS, so that the cleanup cannot hit a

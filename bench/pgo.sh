@@ -87,8 +87,7 @@ train() {
         done
         # A clean stop: the profile is written when the process exits.
         kill -TERM "$pid"
-        wait "$pid" || true
-        forget "$pid"
+        await_exit "$pid" 60 "the training gateway"
     done
 }
 
