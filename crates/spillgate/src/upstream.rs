@@ -1195,10 +1195,11 @@ mod tests {
 
     #[tokio::test]
     async fn nothing_listening_is_a_connect_error() {
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
+        // Bound and not listening: connections are refused, and nothing else can take
+        // the port while the test runs.
+        let dead = tokio::net::TcpSocket::new_v4().unwrap();
+        dead.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = dead.local_addr().unwrap().port();
         let err = client()
             .send_http(&post(&format!("http://127.0.0.1:{port}/")), LONG)
             .await

@@ -244,10 +244,12 @@ async fn failover_on_503() {
 
 #[tokio::test]
 async fn failover_on_connection_refused() {
-    // A port with nothing listening: bind, note the port, close.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    // A port that refuses connections, and that nothing else (another test's server
+    // among them) can take while this test runs: a socket bound to it that does not
+    // listen. A port bound and closed again could be taken and answer.
+    let dead = tokio::net::TcpSocket::new_v4().unwrap();
+    dead.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let dead_addr = dead.local_addr().unwrap();
-    drop(dead);
     let live = MockBackend::start(MockConfig {
         name: "p2".into(),
         expect_api_key: Some(BACKEND_KEYS[1].into()),
