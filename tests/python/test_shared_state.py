@@ -48,22 +48,29 @@ class Redis:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("SKIPPED: redis-server is not installed (./test.sh installs it)")
-        self.port = free_port()
         self.password = f"pw-{_key('redis')}"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(tmp), "--requirepass", self.password],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
+        # The port was free when picked; something else may bind it before the server
+        # does. The server then exits without logging that it is ready (an answer on the
+        # port would not tell, as the other process answers too), and another port is
+        # tried.
+        logs = []
+        for _ in range(3):
+            self.port = free_port()
+            log = tmp / f"redis-{self.port}.log"
+            with open(log, "wb") as out:
+                self.proc = subprocess.Popen(
+                    [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--dir", str(tmp), "--requirepass", self.password],
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.DEVNULL,
+                )
+            deadline = time.monotonic() + 5
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                if "Ready to accept connections" in log.read_text(errors="replace"):
+                    return
                 time.sleep(0.02)
+            self.stop()
+            logs.append(f"--- port {self.port}:\n{log.read_text(errors='replace')}")
+        raise RuntimeError("redis-server did not start on any of 3 free ports:\n" + "\n".join(logs))
 
     @property
     def url(self) -> str:
