@@ -157,10 +157,7 @@ fi
 # ends where it is: in 5 of 22 smoke runs here that left the gateway stopped, or with a
 # breakpoint that killed it with SIGTRAP.)
 kill -INT "$gdbpid" 2>/dev/null || true
-for _ in $(seq 1 100); do
-    kill -0 "$gdbpid" 2>/dev/null || break
-    sleep 0.1
-done
+running_after 10 "$gdbpid"
 end_processes "$gdbpid"
 forget "$gdbpid"
 if ! wait "$cpid"; then

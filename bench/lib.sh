@@ -52,24 +52,32 @@ trap cleanup EXIT
 # ended and been reaped may be another process's by now: only processes whose parent is
 # this shell are signalled.
 end_processes() {
-    local p mine=() left
-    for p in "$@"; do
-        own_running "$p" && mine+=("$p")
-    done
+    local p mine
+    running_after 0 "$@"
+    mine=("${LEFT[@]}")
     for p in "${mine[@]}"; do
         kill "$p" 2>/dev/null || true
         kill -CONT "$p" 2>/dev/null || true
     done
-    for _ in $(seq 1 50); do
-        left=()
-        for p in "${mine[@]}"; do
-            own_running "$p" && left+=("$p")
+    running_after 5 "${mine[@]}"
+    for p in "${LEFT[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+    for p in "$@"; do wait "$p" 2>/dev/null || true; done
+}
+
+# running_after <seconds> <pid>...: waits up to the seconds given (0: not at all) for the
+# processes to end, and sets LEFT to those still running (see own_running). In this
+# shell, not in $(...): own_running knows the children of the shell it runs in.
+running_after() {
+    local limit=$1 i p
+    shift
+    for ((i = 0; ; i++)); do
+        LEFT=()
+        for p in "$@"; do
+            own_running "$p" && LEFT+=("$p")
         done
-        [[ ${#left[@]} -gt 0 ]] || break
+        [[ ${#LEFT[@]} -gt 0 && $i -lt $((limit * 10)) ]] || break
         sleep 0.1
     done
-    for p in "${left[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
-    for p in "$@"; do wait "$p" 2>/dev/null || true; done
 }
 
 # own_running <pid>: whether the process is this shell's child and has not ended (its
@@ -98,12 +106,8 @@ stop() {
 # clean exit matters: it writes something as it goes) and takes it out of PIDS; fails,
 # saying so, when it is still there after the seconds given, and the cleanup then ends it.
 await_exit() {
-    local i
-    for ((i = 0; i < $2 * 10; i++)); do
-        own_running "$1" || break
-        sleep 0.1
-    done
-    if own_running "$1"; then
+    running_after "$2" "$1"
+    if [[ ${#LEFT[@]} -gt 0 ]]; then
         echo "$3 (pid $1) did not end within $2 s of being asked to" >&2
         return 1
     fi
