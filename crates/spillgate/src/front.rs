@@ -22,7 +22,7 @@ use std::future::{poll_fn, Future};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -66,8 +66,9 @@ const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 256 * 1024;
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
-/// The read side of a connection, shared by the connection and the body of the request
-/// being served (both are polled by the connection's task, one after the other).
+/// The read side of a connection: the connection's, lent to the body of the request being
+/// served while that body reads from the socket (see [`Reader`]; both are polled by the
+/// connection's task, one after the other).
 struct Input {
     io: OwnedReadHalf,
     /// Bytes read and not yet used.
@@ -98,9 +99,65 @@ enum Continue {
     Due,
 }
 
-/// The read side, locked with [`crate::lock`]: never across an await, nor while the
-/// other side runs; a panic while it was held has already ended the connection's task.
+/// The read side while lent to a request's body, locked with [`crate::lock`]: never
+/// across an await, nor while the other side runs; a panic while it was held has already
+/// ended the connection's task.
 type Shared = Arc<Mutex<Input>>;
+
+/// The read side as the connection holds it: its own, or lent to the body of the request
+/// being served while that body still has bytes to read from the socket, and taken back
+/// once the body has let go of it. A body that came whole with its head (nearly every
+/// JSON request) is taken off the buffer at once and read from no socket: the connection
+/// then serves the request without a lock or a shared reference, which were 14 atomic
+/// instructions a JSON request (`bench/instructions.sh` with `LOCKS=1`).
+enum Reader {
+    Own(Input),
+    Lent(Shared),
+}
+
+#[cfg(test)]
+thread_local! {
+    /// How many times this thread's connections used their input locked, lent to a
+    /// body (for the tests).
+    static LENT_USES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Reader {
+    /// Runs `f` on the input, locking it when it is lent.
+    fn with<R>(&mut self, f: impl FnOnce(&mut Input) -> R) -> R {
+        match self {
+            Reader::Own(input) => f(input),
+            Reader::Lent(shared) => {
+                #[cfg(test)]
+                LENT_USES.with(|n| n.set(n.get() + 1));
+                f(&mut lock(shared))
+            }
+        }
+    }
+
+    /// The input shared with a body: the connection keeps one reference, the body gets
+    /// the other.
+    fn lend(self) -> (Reader, Shared) {
+        let shared = match self {
+            Reader::Own(input) => Arc::new(Mutex::new(input)),
+            Reader::Lent(shared) => shared,
+        };
+        (Reader::Lent(Arc::clone(&shared)), shared)
+    }
+
+    /// The input the connection's own again, once no body holds it.
+    fn reclaim(self) -> Reader {
+        match self {
+            Reader::Lent(shared) => match Arc::try_unwrap(shared) {
+                Ok(input) => {
+                    Reader::Own(input.into_inner().unwrap_or_else(PoisonError::into_inner))
+                }
+                Err(shared) => Reader::Lent(shared),
+            },
+            own => own,
+        }
+    }
+}
 
 impl Input {
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
@@ -119,6 +176,18 @@ impl Input {
         // The read goes to the stack (see `h1::poll_fill`): an open stream holds no read
         // buffer.
         matches!(self.poll_fill(cx), Poll::Ready(Ok(0) | Err(_)))
+    }
+
+    /// The request body, taken off the buffer when all of it is there already (a body of
+    /// known length that came with its head, as a small one nearly always does). Its
+    /// framing is then `Done`.
+    fn take_whole(&mut self) -> Option<Bytes> {
+        let Framing::Length(n) = self.body else {
+            return None;
+        };
+        let n = usize::try_from(n).ok().filter(|&n| n <= self.buf.len())?;
+        self.body = Framing::Done;
+        Some(h1::take_front(&mut self.buf, n))
     }
 
     /// Whether the buffer may hold a whole head: it has an empty line (a head ends with
@@ -244,11 +313,22 @@ impl http_body::Body for ClientBody {
     }
 }
 
-/// A request's body, read from its connection as the handler polls it.
+/// A request's body: taken whole with its head, or read from its connection as the
+/// handler polls it.
 pub struct RequestBody {
-    /// `None` once the body has ended (or when there is none).
-    input: Option<Shared>,
+    source: Source,
     hint: SizeHint,
+}
+
+/// Where a [`RequestBody`]'s bytes come from.
+enum Source {
+    /// All of them, taken off the connection's buffer with the head (see
+    /// [`Input::take_whole`]).
+    Whole(Bytes),
+    /// The connection, read as the body is polled.
+    Wire(Shared),
+    /// The body has ended (or there is none).
+    Ended,
 }
 
 impl http_body::Body for RequestBody {
@@ -259,8 +339,15 @@ impl http_body::Body for RequestBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, h1::Error>>> {
-        let Some(shared) = self.input.as_ref() else {
-            return Poll::Ready(None);
+        let shared = match &self.source {
+            Source::Wire(shared) => shared,
+            Source::Ended => return Poll::Ready(None),
+            Source::Whole(_) => {
+                let Source::Whole(data) = std::mem::replace(&mut self.source, Source::Ended) else {
+                    return Poll::Ready(None);
+                };
+                return Poll::Ready(Some(Ok(Frame::data(data))));
+            }
         };
         let mut input = lock(shared);
         let ended = loop {
@@ -271,7 +358,7 @@ impl http_body::Body for RequestBody {
                     // finds the end without locking the connection's input again.
                     if *body == Framing::Done {
                         drop(input);
-                        self.input = None;
+                        self.source = Source::Ended;
                     }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
@@ -303,14 +390,16 @@ impl http_body::Body for RequestBody {
             input.intact = false;
         }
         drop(input);
-        self.input = None;
+        self.source = Source::Ended;
         Poll::Ready(ended.map(Err))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.input
-            .as_ref()
-            .is_none_or(|s| lock(s).body == Framing::Done)
+        match &self.source {
+            Source::Whole(_) => false,
+            Source::Wire(shared) => lock(shared).body == Framing::Done,
+            Source::Ended => true,
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -693,7 +782,7 @@ pub async fn serve<H, F, B>(
     // Each response's head is encoded here: one allocation a connection, not one a
     // response (see `respond`).
     let mut head = Vec::new();
-    let shared = Arc::new(Mutex::new(Input {
+    let mut reader = Reader::Own(Input {
         io,
         buf: BytesMut::new(),
         room: h1::READ_ROOM,
@@ -701,7 +790,7 @@ pub async fn serve<H, F, B>(
         body: Framing::Done,
         intact: true,
         expect: Continue::No,
-    }));
+    });
     // One wait for the stop signal and one timer for the connection's whole life.
     let stop_signal = {
         let mut stopped = stopped.clone();
@@ -734,24 +823,26 @@ pub async fn serve<H, F, B>(
         // 2,560 to 1,792 (release build, `-Zprint-type-sizes`).
         let (resp, method, version, keep_alive) = {
             let next = poll_fn(|cx| {
-                let mut input = lock(&shared);
-                loop {
+                let read = reader.with(|input| loop {
                     if input.may_hold_head() || input.buf.len() > limits.max_head {
                         match parse_head(&mut input.buf, &limits, &mut last_target) {
                             Ok(Some(head)) => {
                                 // The buffer now starts after it: searched from its start.
                                 input.scanned = 0;
-                                return Poll::Ready(Next::Head(head));
+                                break Some(Next::Head(head));
                             }
                             Ok(None) => {}
-                            Err(e) => return Poll::Ready(Next::Refused(e)),
+                            Err(e) => break Some(Next::Refused(e)),
                         }
                     }
                     match input.poll_fill(cx) {
-                        Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(Next::End),
+                        Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => break Some(Next::End),
                         Poll::Ready(Ok(_)) => {}
-                        Poll::Pending => break,
+                        Poll::Pending => break None,
                     }
+                });
+                if let Some(next) = read {
+                    return Poll::Ready(next);
                 }
                 // Looked at only while the connection waits: a request already there is
                 // answered (and the connection then closed, `stopped` being read after
@@ -778,7 +869,9 @@ pub async fn serve<H, F, B>(
                 }
                 // Part of a head and no more: told so. An idle connection (or one that sent
                 // only the empty lines a client may send between requests) just closes.
-                Poll::Ready(if input.buf.iter().all(|b| matches!(b, b'\r' | b'\n')) {
+                let idle =
+                    reader.with(|input| input.buf.iter().all(|b| matches!(b, b'\r' | b'\n')));
+                Poll::Ready(if idle {
                     Next::End
                 } else {
                     Next::Refused(GatewayError::new(
@@ -797,15 +890,14 @@ pub async fn serve<H, F, B>(
                 Next::Head(head) => head,
                 Next::End => return,
                 Next::Refused(e) => {
-                    return Box::pin(refuse(out, &shared, e, (&Method::GET, Version::HTTP_11)))
-                        .await
+                    return Box::pin(refuse(out, reader, e, (&Method::GET, Version::HTTP_11))).await
                 }
             };
             let version = head.version;
             let method = head.method.clone();
             let (framing, keep_alive) = match request_framing(version, &mut head.headers) {
                 Ok(f) => f,
-                Err(e) => return Box::pin(refuse(out, &shared, e, (&method, version))).await,
+                Err(e) => return Box::pin(refuse(out, reader, e, (&method, version))).await,
             };
             let hint = framing.size_hint();
             let expects_continue = version == Version::HTTP_11
@@ -814,8 +906,7 @@ pub async fn serve<H, F, B>(
                     .headers
                     .get(&header::EXPECT)
                     .is_some_and(|v| v.eq_ignore_ascii_case(b"100-continue"));
-            {
-                let mut input = lock(&shared);
+            let (whole, unread) = reader.with(|input| {
                 input.body = framing;
                 let waits = expects_continue && framing != Framing::Done && input.buf.is_empty();
                 input.expect = if waits {
@@ -823,11 +914,21 @@ pub async fn serve<H, F, B>(
                 } else {
                     Continue::No
                 };
-            }
-            let body = RequestBody {
-                input: (framing != Framing::Done).then(|| Arc::clone(&shared)),
-                hint,
+                let whole = input.take_whole();
+                (whole, input.body != Framing::Done)
+            });
+            // Lent to the body only when the body has bytes still to read.
+            let source = match (whole, unread) {
+                // Taken whole, the body's framing is `Done`.
+                (Some(data), _) => Source::Whole(data),
+                (None, true) => {
+                    let (kept, lent) = reader.lend();
+                    reader = kept;
+                    Source::Wire(lent)
+                }
+                (None, false) => Source::Ended,
             };
+            let body = RequestBody { source, hint };
             let req = head.map(|()| body);
             let answered = {
                 let mut call = slot.start(handler(req));
@@ -836,25 +937,33 @@ pub async fn serve<H, F, B>(
                     if let Poll::Ready(resp) = Pin::new(&mut call).poll(cx) {
                         return Poll::Ready(Some(resp.into_reply()));
                     }
-                    let mut input = lock(&shared);
-                    if input.expect == Continue::Due {
-                        match Pin::new(&mut out.io).poll_write(cx, &CONTINUE[continued..]) {
-                            Poll::Ready(Ok(n)) if n > 0 => {
-                                continued += n;
-                                if continued == CONTINUE.len() {
-                                    // Sent: the body reads from now on.
-                                    input.expect = Continue::No;
+                    // `None`: poll the call again.
+                    let waited = reader.with(|input| {
+                        if input.expect == Continue::Due {
+                            return match Pin::new(&mut out.io)
+                                .poll_write(cx, &CONTINUE[continued..])
+                            {
+                                Poll::Ready(Ok(n)) if n > 0 => {
+                                    continued += n;
+                                    if continued == CONTINUE.len() {
+                                        // Sent: the body reads from now on.
+                                        input.expect = Continue::No;
+                                    }
+                                    None
                                 }
-                                continue;
-                            }
-                            Poll::Ready(_) => return Poll::Ready(None),
-                            Poll::Pending => return Poll::Pending,
+                                Poll::Ready(_) => Some(Poll::Ready(None)),
+                                Poll::Pending => Some(Poll::Pending),
+                            };
                         }
+                        Some(if input.poll_gone(cx) {
+                            Poll::Ready(None)
+                        } else {
+                            Poll::Pending
+                        })
+                    });
+                    if let Some(waited) = waited {
+                        return waited;
                     }
-                    if input.poll_gone(cx) {
-                        return Poll::Ready(None);
-                    }
-                    return Poll::Pending;
                 })
                 .await
             };
@@ -867,6 +976,10 @@ pub async fn serve<H, F, B>(
             // connection's next request unless the answer may stream (of unknown
             // length): an open stream then holds none.
             slot.finish(resp.length_known());
+            // The body, dropped with the call (or read to its end), has let go of the input.
+            if let Reader::Lent(_) = reader {
+                reader = reader.reclaim();
+            }
             (resp, method, version, keep_alive)
         };
         // Read (a lock) only when a stop may have been sent: `has_changed` says so for
@@ -877,9 +990,9 @@ pub async fn serve<H, F, B>(
             stopping_at_start || (stopped.has_changed().unwrap_or(true) && *stopped.borrow());
         let keep_alive = keep_alive && !stopping;
         let request = (&method, version);
-        match respond(&mut out, &mut head, &shared, resp, request, keep_alive).await {
+        match respond(&mut out, &mut head, &mut reader, resp, request, keep_alive).await {
             Ok(true) => {}
-            Ok(false) => return close(out, &shared).await,
+            Ok(false) => return close(out, &mut reader).await,
             Err(e @ WriteError::Stalled(_)) => {
                 tracing::info!(error = %e, "client connection closed");
                 return;
@@ -894,18 +1007,18 @@ pub async fn serve<H, F, B>(
 
 /// Answers `e` to a request (with `method` and `version`, as far as they are known) that
 /// cannot be read, and closes the connection.
-async fn refuse(mut out: Out, shared: &Shared, e: GatewayError, request: (&Method, Version)) {
+async fn refuse(mut out: Out, mut reader: Reader, e: GatewayError, request: (&Method, Version)) {
     tracing::debug!(status = e.status.as_u16(), code = e.code, "request refused");
     let _ = respond(
         &mut out,
         &mut Vec::new(),
-        shared,
+        &mut reader,
         Reply::Response(e.into_response()),
         request,
         false,
     )
     .await;
-    close(out, shared).await;
+    close(out, &mut reader).await;
 }
 
 /// The write side of a connection.
@@ -966,7 +1079,7 @@ enum Event<F> {
 fn respond<'a, B>(
     out: &'a mut Out,
     head: &'a mut Vec<u8>,
-    shared: &'a Shared,
+    reader: &'a mut Reader,
     reply: Reply<B>,
     (method, version): (&Method, Version),
     keep_alive: bool,
@@ -1011,10 +1124,7 @@ where
         }
         .or(exact),
     };
-    let unread = {
-        let input = lock(shared);
-        input.body != Framing::Done || !input.intact
-    };
+    let unread = reader.with(|input| input.body != Framing::Done || !input.intact);
     // Also not when the handler's own `Connection` says `close` (seen by `encode_head`).
     let mut reusable = keep_alive && !unread && !informational;
     let mut framing = if no_body {
@@ -1060,7 +1170,9 @@ where
             let event = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
                 Poll::Ready(f) => Poll::Ready(Event::Frame(f)),
                 Poll::Pending if head_due => Poll::Ready(Event::Idle),
-                Poll::Pending if lock(shared).poll_gone(cx) => Poll::Ready(Event::Gone),
+                Poll::Pending if reader.with(|input| input.poll_gone(cx)) => {
+                    Poll::Ready(Event::Gone)
+                }
                 Poll::Pending => Poll::Pending,
             })
             .await;
@@ -1276,23 +1388,24 @@ async fn write_all(out: &mut Out, bufs: &mut [IoSlice<'_>]) -> Result<(), WriteE
 /// client still sends is read and dropped for a moment (bounded in time and bytes), so
 /// that unread bytes do not make the kernel reset the connection before the client
 /// reads the answer.
-async fn close(mut out: Out, shared: &Shared) {
+async fn close(mut out: Out, reader: &mut Reader) {
     let _ = out.io.shutdown().await;
     let mut read = 0;
     let _ = tokio::time::timeout(
         LINGER,
         poll_fn(|cx| {
-            let mut input = lock(shared);
-            let mut scratch = [MaybeUninit::<u8>::uninit(); h1::READ_ROOM];
-            loop {
-                let mut scratch = tokio::io::ReadBuf::uninit(&mut scratch);
-                match std::task::ready!(Pin::new(&mut input.io).poll_read(cx, &mut scratch)) {
-                    Ok(()) if !scratch.filled().is_empty() && read < LINGER_BYTES => {
-                        read += scratch.filled().len();
+            reader.with(|input| {
+                let mut scratch = [MaybeUninit::<u8>::uninit(); h1::READ_ROOM];
+                loop {
+                    let mut scratch = tokio::io::ReadBuf::uninit(&mut scratch);
+                    match std::task::ready!(Pin::new(&mut input.io).poll_read(cx, &mut scratch)) {
+                        Ok(()) if !scratch.filled().is_empty() && read < LINGER_BYTES => {
+                            read += scratch.filled().len();
+                        }
+                        _ => return Poll::Ready(()),
                     }
-                    _ => return Poll::Ready(()),
                 }
-            }
+            })
         }),
     )
     .await;
@@ -1894,6 +2007,135 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_body_that_came_with_its_head_is_taken_whole_and_the_connection_kept() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let lent_uses = || LENT_USES.with(std::cell::Cell::get);
+        let before = lent_uses();
+        // Not read by its handler: taken off the buffer with the head all the same, so the
+        // connection carries the next request (sent in the same write).
+        let mut sock = connect(
+            addr,
+            b"POST /early HTTP/1.1\r\ncontent-length: 5\r\n\r\n12345\
+              POST /echo HTTP/1.1\r\ncontent-length: 2\r\n\r\nhi",
+        )
+        .await;
+        let mut buf = Vec::new();
+        let (head, body) = response(&mut sock, &mut buf).await;
+        assert!(!head.contains("connection: close"), "{head}");
+        assert_eq!(body, "early");
+        assert_eq!(response(&mut sock, &mut buf).await.1, "POST /echo hi");
+        // Neither request's body read from the socket: the input never lent.
+        assert_eq!(lent_uses(), before);
+    }
+
+    #[tokio::test]
+    async fn a_body_read_from_the_socket_lends_the_input_and_the_connection_takes_it_back() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let lent_uses = || LENT_USES.with(std::cell::Cell::get);
+        let before = lent_uses();
+        // The client sends its body only once asked: it is read from the socket as the
+        // handler polls it.
+        let mut sock = connect(
+            addr,
+            b"POST /echo HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n",
+        )
+        .await;
+        let mut got = Vec::new();
+        while got.len() < CONTINUE.len() {
+            assert!(read_more(&mut sock, &mut got).await > 0);
+        }
+        sock.write_all(b"hi").await.unwrap();
+        let mut buf = got.split_off(CONTINUE.len());
+        let (head, body) = response(&mut sock, &mut buf).await;
+        assert!(!head.contains("connection: close"), "{head}");
+        assert_eq!(body, "POST /echo hi");
+        let lent = lent_uses();
+        assert!(lent > before, "the body was read from the socket");
+        // Taken back with the answer: the next request on the connection, whose body
+        // came whole, uses it unlocked.
+        sock.write_all(b"POST /echo HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc")
+            .await
+            .unwrap();
+        assert_eq!(response(&mut sock, &mut buf).await.1, "POST /echo abc");
+        assert_eq!(lent_uses(), lent);
+    }
+
+    #[test]
+    fn a_lent_input_comes_back_only_once_the_body_lets_go() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let client = TcpStream::connect(listener.local_addr().unwrap())
+                .await
+                .unwrap();
+            let (io, _out) = client.into_split();
+            let reader = Reader::Own(Input {
+                io,
+                buf: BytesMut::from(&b"rest"[..]),
+                room: h1::READ_ROOM,
+                scanned: 0,
+                body: Framing::Length(9),
+                intact: true,
+                expect: Continue::No,
+            });
+            let (mut reader, lent) = reader.lend();
+            assert!(matches!(reader, Reader::Lent(_)));
+            // The body's side sees what the connection's does.
+            lock(&lent).body = Framing::Done;
+            assert_eq!(reader.with(|input| input.body), Framing::Done);
+            reader = reader.reclaim();
+            assert!(matches!(reader, Reader::Lent(_)), "the body still holds it");
+            drop(lent);
+            reader = reader.reclaim();
+            let Reader::Own(input) = &mut reader else {
+                panic!("not taken back");
+            };
+            assert_eq!(&input.buf[..], b"rest");
+        });
+    }
+
+    #[test]
+    fn only_a_whole_body_of_known_length_is_taken_with_the_head() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let client = TcpStream::connect(listener.local_addr().unwrap())
+                .await
+                .unwrap();
+            let (io, _out) = client.into_split();
+            let mut input = Input {
+                io,
+                buf: BytesMut::from(&b"12345GET"[..]),
+                room: h1::READ_ROOM,
+                scanned: 0,
+                body: Framing::Length(9),
+                intact: true,
+                expect: Continue::No,
+            };
+            // Not all there: left to be read.
+            assert_eq!(input.take_whole(), None);
+            assert_eq!(input.body, Framing::Length(9));
+            assert_eq!(input.buf.len(), 8);
+            input.body = Framing::Chunked(Chunk::Size);
+            assert_eq!(input.take_whole(), None);
+            // All there, and the next request's bytes after it stay.
+            input.body = Framing::Length(5);
+            assert_eq!(input.take_whole(), Some(Bytes::from_static(b"12345")));
+            assert_eq!(input.body, Framing::Done);
+            assert_eq!(&input.buf[..], b"GET");
+            input.body = Framing::Length(3);
+            assert_eq!(input.take_whole(), Some(Bytes::from_static(b"GET")));
+            assert!(input.buf.is_empty());
+        });
+    }
+
+    #[tokio::test]
     async fn a_client_that_sends_its_next_request_then_closes_gets_both_answers() {
         let (addr, _seen, _stop) = server(LIMITS).await;
         let mut sock = connect(
@@ -2277,7 +2519,7 @@ mod tests {
     async fn a_connections_body_reaches_the_proxy_unboxed_and_any_other_boxed() {
         use http_body_util::BodyExt;
         let wire = RequestBody {
-            input: None,
+            source: Source::Ended,
             hint: SizeHint::with_exact(0),
         };
         let body = ClientBody::new(wire);

@@ -1370,7 +1370,7 @@ fn take_data(left: &mut u64, buf: &mut BytesMut, data: bool) -> Step {
 /// The first `n` bytes of `buf`, taken off it. All of it is taken whole: splitting a
 /// buffer that is not yet shared makes it shared, an allocation per read (a read buffer
 /// is one read's size, see [`poll_fill`]).
-fn take_front(buf: &mut BytesMut, n: usize) -> Bytes {
+pub(crate) fn take_front(buf: &mut BytesMut, n: usize) -> Bytes {
     if n == buf.len() {
         std::mem::take(buf).freeze()
     } else {
