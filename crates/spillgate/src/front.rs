@@ -2006,10 +2006,14 @@ mod tests {
         assert_eq!(body, "early");
     }
 
+    /// How many times this thread's connections have used their input lent.
+    fn lent_uses() -> usize {
+        LENT_USES.with(std::cell::Cell::get)
+    }
+
     #[tokio::test]
     async fn a_body_that_came_with_its_head_is_taken_whole_and_the_connection_kept() {
         let (addr, _seen, _stop) = server(LIMITS).await;
-        let lent_uses = || LENT_USES.with(std::cell::Cell::get);
         let before = lent_uses();
         // Not read by its handler: taken off the buffer with the head all the same, so the
         // connection carries the next request (sent in the same write).
@@ -2031,7 +2035,6 @@ mod tests {
     #[tokio::test]
     async fn a_body_read_from_the_socket_lends_the_input_and_the_connection_takes_it_back() {
         let (addr, _seen, _stop) = server(LIMITS).await;
-        let lent_uses = || LENT_USES.with(std::cell::Cell::get);
         let before = lent_uses();
         // The client sends its body only once asked: it is read from the socket as the
         // handler polls it.
@@ -2060,8 +2063,9 @@ mod tests {
         assert_eq!(lent_uses(), lent);
     }
 
-    #[test]
-    fn a_lent_input_comes_back_only_once_the_body_lets_go() {
+    /// Runs `f` with an input on a connected loopback socket, `buf` read already and a
+    /// body framed as `body` to come.
+    fn with_input(buf: &[u8], body: Framing, f: impl FnOnce(Input)) {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -2072,16 +2076,22 @@ mod tests {
                 .await
                 .unwrap();
             let (io, _out) = client.into_split();
-            let reader = Reader::Own(Input {
+            f(Input {
                 io,
-                buf: BytesMut::from(&b"rest"[..]),
+                buf: BytesMut::from(buf),
                 room: h1::READ_ROOM,
                 scanned: 0,
-                body: Framing::Length(9),
+                body,
                 intact: true,
                 expect: Continue::No,
             });
-            let (mut reader, lent) = reader.lend();
+        });
+    }
+
+    #[test]
+    fn a_lent_input_comes_back_only_once_the_body_lets_go() {
+        with_input(b"rest", Framing::Length(9), |input| {
+            let (mut reader, lent) = Reader::Own(input).lend();
             assert!(matches!(reader, Reader::Lent(_)));
             // The body's side sees what the connection's does.
             lock(&lent).body = Framing::Done;
@@ -2099,25 +2109,7 @@ mod tests {
 
     #[test]
     fn only_a_whole_body_of_known_length_is_taken_with_the_head() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let client = TcpStream::connect(listener.local_addr().unwrap())
-                .await
-                .unwrap();
-            let (io, _out) = client.into_split();
-            let mut input = Input {
-                io,
-                buf: BytesMut::from(&b"12345GET"[..]),
-                room: h1::READ_ROOM,
-                scanned: 0,
-                body: Framing::Length(9),
-                intact: true,
-                expect: Continue::No,
-            };
+        with_input(b"12345GET", Framing::Length(9), |mut input| {
             // Not all there: left to be read.
             assert_eq!(input.take_whole(), None);
             assert_eq!(input.body, Framing::Length(9));
