@@ -331,15 +331,13 @@ impl http_body::Body for RequestBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, h1::Error>>> {
-        let shared = match &self.source {
-            Source::Wire(shared) => shared,
-            Source::Ended => return Poll::Ready(None),
-            Source::Whole(_) => {
-                let Source::Whole(data) = std::mem::replace(&mut self.source, Source::Ended) else {
-                    return Poll::Ready(None);
-                };
-                return Poll::Ready(Some(Ok(Frame::data(data))));
-            }
+        if let Source::Whole(data) = &mut self.source {
+            let data = std::mem::take(data);
+            self.source = Source::Ended;
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
+        let Source::Wire(shared) = &self.source else {
+            return Poll::Ready(None);
         };
         let mut input = lock(shared);
         let ended = loop {
@@ -909,16 +907,16 @@ pub async fn serve<H, F, B>(
                 let whole = input.take_whole();
                 (whole, input.body != Framing::Done)
             });
-            // Lent to the body only when the body has bytes still to read.
-            let source = match (whole, unread) {
-                // Taken whole, the body's framing is `Done`.
-                (Some(data), _) => Source::Whole(data),
-                (None, true) => {
+            // Lent to the body only when the body has bytes still to read (never when it
+            // was taken whole: its framing is then `Done`).
+            let source = match whole {
+                Some(data) => Source::Whole(data),
+                None if unread => {
                     let (kept, lent) = reader.lend();
                     reader = kept;
                     Source::Wire(lent)
                 }
-                (None, false) => Source::Ended,
+                None => Source::Ended,
             };
             let body = RequestBody { source, hint };
             let req = head.map(|()| body);
@@ -1963,9 +1961,10 @@ mod tests {
         assert!(closed(&mut sock).await);
     }
 
-    #[tokio::test]
-    async fn expect_100_continue_is_answered_before_the_body_is_sent() {
-        let (addr, _seen, _stop) = server(LIMITS).await;
+    /// A connection that sent `POST /echo` with `Expect: 100-continue`, was answered
+    /// `100 Continue`, and then sent its body `hi`; and what it read after the `100
+    /// Continue`.
+    async fn echo_after_continue(addr: std::net::SocketAddr) -> (TcpStream, Vec<u8>) {
         let mut sock = connect(
             addr,
             b"POST /echo HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n",
@@ -1975,8 +1974,17 @@ mod tests {
         while got.len() < CONTINUE.len() {
             assert!(read_more(&mut sock, &mut got).await > 0);
         }
-        assert_eq!(&got[..], CONTINUE);
+        assert_eq!(&got[..CONTINUE.len()], CONTINUE);
         sock.write_all(b"hi").await.unwrap();
+        let rest = got.split_off(CONTINUE.len());
+        (sock, rest)
+    }
+
+    #[tokio::test]
+    async fn expect_100_continue_is_answered_before_the_body_is_sent() {
+        let (addr, _seen, _stop) = server(LIMITS).await;
+        let (mut sock, rest) = echo_after_continue(addr).await;
+        assert!(rest.is_empty(), "{rest:?}");
         assert_eq!(
             response(&mut sock, &mut Vec::new()).await.1,
             "POST /echo hi"
@@ -2026,17 +2034,7 @@ mod tests {
         let before = lent_uses();
         // The client sends its body only once asked: it is read from the socket as the
         // handler polls it.
-        let mut sock = connect(
-            addr,
-            b"POST /echo HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n",
-        )
-        .await;
-        let mut got = Vec::new();
-        while got.len() < CONTINUE.len() {
-            assert!(read_more(&mut sock, &mut got).await > 0);
-        }
-        sock.write_all(b"hi").await.unwrap();
-        let mut buf = got.split_off(CONTINUE.len());
+        let (mut sock, mut buf) = echo_after_continue(addr).await;
         let (head, body) = response(&mut sock, &mut buf).await;
         assert!(!head.contains("connection: close"), "{head}");
         assert_eq!(body, "POST /echo hi");
